@@ -1,0 +1,237 @@
+"""Engine behaviour on a tiny random model (fp32): exactness, sampling, stops, aborts, weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tlt_serve import LLM, SamplingParams
+from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tlt_serve.engine.outputs import RequestResult
+from tlt_serve.models.loader import iter_safetensors
+from tlt_serve.sampling_params import ParamError
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def make_llm(path, rows: int = 8, prefill: int = 2048, max_len: int = 256) -> LLM:
+    cfg = EngineConfig(
+        model=ModelConfig(model=str(path), dtype="float32", max_model_len=max_len),
+        cache=CacheConfig(max_num_seqs=rows),
+        scheduler=SchedulerConfig(max_prefill_tokens=prefill),
+    )
+    return LLM(config=cfg)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return make_llm(tiny_model_dir, rows=6, prefill=64)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):",
+    "What is 12 + 7? Let me think step by step.",
+    "Bonjour",
+    "Speculative decoding drafts tokens cheaply and verifies them in one forward pass. " * 2,
+]
+
+
+def test_greedy_alone_equals_hf(llm: LLM, hf) -> None:
+    for text in PROMPTS:
+        ids = llm.tokenizer.encode(text)
+        (res,) = llm.generate([ids], GREEDY)
+        assert res.samples[0].token_ids == hf_greedy(hf, ids, 24), text
+
+
+def test_greedy_in_mixed_batch_equals_hf(llm: LLM, hf) -> None:
+    """16 requests, different lengths and settings, more than the 6 KV rows: queueing,
+    prefill batches split by the token budget, and rows compacted as requests finish."""
+    prompts, params = [], []
+    for i in range(16):
+        prompts.append(llm.tokenizer.encode(PROMPTS[i % 5] * (1 + i % 3)))
+        if i % 2 == 0:
+            params.append(
+                SamplingParams(max_new_tokens=5 + 2 * i, temperature=0.0, ignore_eos=True)
+            )
+        else:
+            params.append(
+                SamplingParams(
+                    max_new_tokens=3 + i,
+                    temperature=0.7 + 0.05 * i,
+                    top_p=0.9,
+                    top_k=20 + i,
+                    min_p=0.01,
+                    n=1 + i % 3,
+                    seed=i,
+                    ignore_eos=True,
+                )
+            )
+    results = llm.generate(prompts, params)
+    for prompt, p, res in zip(prompts, params, results, strict=True):
+        assert len(res.samples) == p.n
+        for s in res.samples:
+            assert len(s.token_ids) == p.max_new_tokens
+            assert s.finish is not None and s.finish.type == "length"
+        if p.greedy:
+            assert res.samples[0].token_ids == hf_greedy(hf, prompt, p.max_new_tokens)
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def test_logprobs_are_targets(llm: LLM, hf) -> None:
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    p = SamplingParams(
+        max_new_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3
+    )
+    s = llm.generate([ids], p)[0].samples[0]
+    full = torch.tensor([ids + s.token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(full).logits[0, len(ids) - 1 : -1], dim=-1)
+    expected = ref.gather(1, torch.tensor(s.token_ids).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=0)
+    for row, top in zip(ref, s.top_logprobs, strict=True):
+        assert [t for t, _ in top] == row.topk(3).indices.tolist()
+
+
+def test_temperature_scales_reported_logprobs(llm: LLM, hf) -> None:
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    p = SamplingParams(max_new_tokens=4, temperature=0.5, seed=3, ignore_eos=True, logprobs=True)
+    s = llm.generate([ids], p)[0].samples[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + s.token_ids])).logits[0, len(ids) - 1 : -1]
+    ref = torch.log_softmax(logits / 0.5, dim=-1).gather(1, torch.tensor(s.token_ids)[:, None])
+    torch.testing.assert_close(torch.tensor(s.logprobs), ref.squeeze(1), atol=1e-4, rtol=0)
+
+
+def test_seeds_reproducible_and_distinct(llm: LLM) -> None:
+    ids = llm.tokenizer.encode(PROMPTS[1])
+
+    def sample(seed: int, batch_noise: bool) -> list[int]:
+        p = SamplingParams(max_new_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)
+        extra = [SamplingParams(max_new_tokens=9, temperature=1.0, ignore_eos=True)] * 3
+        prompts = [ids] + ([ids[:3], ids[:5], ids] if batch_noise else [])
+        res = llm.generate(prompts, [p] + (extra if batch_noise else []))
+        return res[0].samples[0].token_ids
+
+    a = sample(7, False)
+    assert a == sample(7, True)  # same seed, other requests in the batch: same output
+    assert a != sample(8, False)
+
+
+def test_n_samples_share_prefill_and_differ(llm: LLM) -> None:
+    ids = llm.tokenizer.encode(PROMPTS[3])
+    p = SamplingParams(max_new_tokens=12, temperature=1.0, n=4, seed=11, ignore_eos=True)
+    before = llm.engine.stats.prefill_steps
+    res = llm.generate([ids], p)[0]
+    assert llm.engine.stats.prefill_steps - before == 1
+    assert [s.cached_tokens for s in res.samples] == [0] + [len(ids)] * 3
+    assert len({tuple(s.token_ids) for s in res.samples}) == 4
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, n=3, ignore_eos=True)
+    outs = llm.generate([ids], greedy)[0].samples
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+
+
+def test_stop_conditions(llm: LLM) -> None:
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    free = llm.generate([ids], GREEDY)[0].samples[0]
+    stop_tok = free.token_ids[5]
+    s = llm.generate(
+        [ids], SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=[stop_tok])
+    )
+    first = free.token_ids.index(stop_tok)
+    assert s[0].samples[0].token_ids == free.token_ids[: first + 1]
+    assert s[0].samples[0].finish.matched == stop_tok
+
+    stop_str = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    if stop_str.strip():
+        r = llm.generate([ids], SamplingParams(max_new_tokens=24, temperature=0.0, stop=[stop_str]))
+        out = r[0].samples[0]
+        assert out.finish.type == "stop" and out.finish.matched == stop_str
+        assert stop_str not in out.text and free.text.startswith(out.text)
+
+
+def test_eos_stops_unless_ignored(tiny_model_dir) -> None:
+    llm = make_llm(tiny_model_dir, rows=2)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    free = llm.generate([ids], GREEDY)[0].samples[0]
+    eos = free.token_ids[3]  # pretend this token is EOS
+    llm.engine.scheduler.eos_ids = frozenset({eos})
+    out = llm.generate([ids], SamplingParams(max_new_tokens=24, temperature=0.0))[0].samples[0]
+    assert out.finish.type == "stop" and out.token_ids[-1] == eos
+    out = llm.generate([ids], GREEDY)[0].samples[0]
+    assert out.token_ids == free.token_ids and out.finish.type == "length"
+
+
+def test_abort_returns_partial_output(llm: LLM) -> None:
+    eng = llm.engine
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    eng.add_request("a", ids, SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
+    eng.add_request("b", ids, SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
+    eng.add_request("c", ids, SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
+    got: dict[str, RequestResult] = {r: RequestResult(r, ids) for r in "abc"}
+    for _ in range(4):
+        for out in eng.step():
+            got[out.rid].add(out)
+    (aborted,) = eng.abort("a")
+    got["a"].add(aborted)
+    assert got["a"].finish.type == "abort" and len(got["a"].token_ids) == 4  # prefill + 3
+    while eng.has_work():
+        for out in eng.step():
+            got[out.rid].add(out)
+    assert got["b"].token_ids == got["c"].token_ids and len(got["b"].token_ids) == 5
+    assert eng.abort("a") == [] and eng.abort("nope") == []
+
+
+def test_bad_prompts_are_refused(llm: LLM) -> None:
+    with pytest.raises(ParamError, match="input_ids"):
+        llm.engine.add_request("x", [], GREEDY)
+    with pytest.raises(ParamError, match="outside vocabulary"):
+        llm.engine.add_request("x", [1, 10**6], GREEDY)
+    with pytest.raises(ParamError, match="limit"):
+        llm.engine.add_request("x", [1] * 300, GREEDY)
+    with pytest.raises(ParamError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ParamError, match="top_p"):
+        SamplingParams(top_p=0)
+    assert not llm.engine.has_work()
+
+
+def test_length_capped_by_max_model_len(tiny_model_dir) -> None:
+    llm = make_llm(tiny_model_dir, rows=2, max_len=32)
+    ids = llm.tokenizer.encode(PROMPTS[4])[:20]
+    out = llm.generate([ids], SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
+    s = out[0].samples[0]
+    assert s.finish.type == "length" and len(ids) + len(s.token_ids) == 32
+
+
+def test_weight_update_changes_outputs_and_version(tiny_model_dir, tiny_model_factory) -> None:
+    llm = make_llm(tiny_model_dir, rows=2)
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    before = llm.generate([ids], GREEDY)[0].samples[0]
+    assert before.weight_version == "0"
+    other = tiny_model_factory("llama", seed=1)
+    bad = [("model.norm.weight", torch.ones(3))]
+    res = llm.engine.update_weights(bad, "v-bad")
+    assert not res.ok and "model.norm.weight" in res.message and res.weight_version == "0"
+    assert llm.generate([ids], GREEDY)[0].samples[0].token_ids == before.token_ids
+
+    res = llm.engine.update_weights(iter_safetensors(other), "step-1")
+    assert res.ok and res.weight_version == "step-1"
+    after = llm.generate([ids], GREEDY)[0].samples[0]
+    assert after.weight_version == "step-1" and after.token_ids != before.token_ids
+    fresh = make_llm(other, rows=2).generate([ids], GREEDY)[0].samples[0]
+    assert after.token_ids == fresh.token_ids

@@ -1,0 +1,104 @@
+"""The own Llama-family implementation against HF transformers, and the weight loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tlt_serve.engine.kv_cache import KVCache
+from tlt_serve.models.batch import ForwardBatch
+from tlt_serve.models.loader import WeightError, build_model, iter_safetensors, load_weights
+
+
+def _causal(batch: int, q: int) -> torch.Tensor:
+    cols = torch.arange(q)
+    return (cols[None, :] <= cols[:, None]).expand(batch, 1, q, q)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_logits_match_hf_prefill_and_decode(tiny_model_factory, model_type: str) -> None:
+    path = tiny_model_factory(model_type)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ours = build_model(path, torch.float32, 256)
+    ids = torch.randint(0, ours.cfg.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    kv = KVCache(ours.cfg, rows=4, max_len=32, dtype=torch.float32)
+    pos = torch.arange(9).expand(3, 9)
+    out = ours(ids, ForwardBatch(0, pos, pos, _causal(3, 9)), kv.layers)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    torch.testing.assert_close(ours.logits(out.hidden), ref, atol=1e-4, rtol=1e-4)
+
+    nxt = torch.tensor([[5], [6], [7]])
+    step = torch.full((3, 1), 9)
+    out = ours(
+        nxt, ForwardBatch(0, step, step, torch.ones(3, 1, 1, 10, dtype=torch.bool)), kv.layers
+    )
+    with torch.no_grad():
+        ref = hf(torch.cat([ids, nxt], dim=1)).logits[:, -1]
+    torch.testing.assert_close(ours.logits(out.hidden[:, 0]), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_aux_hidden_layers_are_residual_stream(tiny_model_dir) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ours = build_model(tiny_model_dir, torch.float32, 64)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    kv = KVCache(ours.cfg, rows=1, max_len=8, dtype=torch.float32)
+    pos = torch.arange(4).unsqueeze(0)
+    out = ours(ids, ForwardBatch(0, pos, pos, _causal(1, 4)), kv.layers, aux_layers=(0,))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out.aux[0], ref[1], atol=1e-5, rtol=1e-5)  # after layer 0
+
+
+def test_bf16_model_runs_close_to_fp32(tiny_model_dir) -> None:
+    fp32 = build_model(tiny_model_dir, torch.float32, 64)
+    bf16 = build_model(tiny_model_dir, torch.bfloat16, 64)
+    assert bf16.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+    assert bf16.rope_table.dtype == torch.float32  # positions must not be rounded
+    ids = torch.tensor([[3, 4, 5, 6]])
+    pos = torch.arange(4).unsqueeze(0)
+    logits = []
+    for m, dt in ((fp32, torch.float32), (bf16, torch.bfloat16)):
+        kv = KVCache(m.cfg, rows=1, max_len=8, dtype=dt)
+        out = m(ids, ForwardBatch(0, pos, pos, _causal(1, 4)), kv.layers)
+        logits.append(m.logits(out.hidden))
+    assert (logits[0] - logits[1]).abs().max() < 0.5
+
+
+def test_loader_rejects_bad_tensors_atomically(tiny_model_dir) -> None:
+    model = build_model(tiny_model_dir, torch.float32, 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    good = dict(iter_safetensors(tiny_model_dir))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    cases = {
+        "unknown weight name": [("model.layers.0.bogus.weight", good[name])],
+        "has shape": [(name, good[name][:-1])],
+        "dtype": [(name, good[name].to(torch.int32))],
+        "NaN": [(name, torch.full_like(good[name], float("nan")))],
+        "layers.99": [
+            ("model.layers.99.mlp.up_proj.weight", good["model.layers.0.mlp.up_proj.weight"])
+        ],
+    }
+    for expected, tensors in cases.items():
+        # A valid tensor first: it must not be applied when a later one is bad.
+        update = [("model.norm.weight", good["model.norm.weight"] + 1.0), *tensors]
+        with pytest.raises(
+            WeightError, match=expected.split()[0] if expected != "layers.99" else "unknown"
+        ):
+            load_weights(model, update)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_loader_fills_fused_slices(tiny_model_dir) -> None:
+    model = build_model(tiny_model_dir, torch.float32, 64)
+    tensors = dict(iter_safetensors(tiny_model_dir))
+    q = tensors["model.layers.1.self_attn.q_proj.weight"]
+    v = tensors["model.layers.1.self_attn.v_proj.weight"]
+    fused = model.layers[1].self_attn.qkv_proj.weight
+    assert torch.equal(fused[: q.shape[0]], q)
+    assert torch.equal(fused[-v.shape[0] :], v)
+    n = load_weights(model, [("model.layers.1.self_attn.v_proj.weight", v * 2)])
+    assert n == 1 and torch.equal(fused[-v.shape[0] :], v * 2)
+    assert torch.equal(fused[: q.shape[0]], q)

@@ -1,0 +1,165 @@
+"""The engine: one loop, ``step()`` = schedule → forward → sample → postprocess.
+
+Not thread-safe: exactly one thread calls its methods (the offline LLM, or the server's
+engine loop, which applies control messages between steps).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tlt_serve.config import EngineConfig
+from tlt_serve.engine.detokenizer import Detokenizer
+from tlt_serve.engine.kv_cache import KVCache
+from tlt_serve.engine.outputs import StepOutput
+from tlt_serve.engine.request import Request
+from tlt_serve.engine.runner import ModelRunner
+from tlt_serve.engine.sampler import Sampler
+from tlt_serve.engine.scheduler import Scheduler
+from tlt_serve.engine.stats import EngineStats
+from tlt_serve.models.loader import WeightError, build_model, load_weights
+from tlt_serve.models.provision import resolve_model_path
+from tlt_serve.models.tokenizer import load_tokenizer
+from tlt_serve.sampling_params import ParamError, SamplingParams
+
+log = logging.getLogger("tlt_serve.engine")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    ok: bool
+    message: str
+    weight_version: str
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        mc = config.model
+        self.model_path: Path = resolve_model_path(mc.model)
+        self.tokenizer = load_tokenizer(self.model_path)
+        t0 = time.perf_counter()
+        self.model = build_model(self.model_path, DTYPES[mc.dtype], mc.max_model_len, mc.device)
+        log.info("loaded %s (%s) in %.1fs", self.model_path, mc.dtype, time.perf_counter() - t0)
+        self.kv = KVCache(
+            self.model.cfg, config.cache.max_num_seqs, mc.max_model_len, DTYPES[mc.dtype], mc.device
+        )
+        self.runner = ModelRunner(self.model, self.kv, mc.device)
+        self.scheduler = Scheduler(
+            num_rows=config.cache.max_num_seqs,
+            max_len=mc.max_model_len,
+            max_prefill_tokens=config.scheduler.max_prefill_tokens,
+            eos_ids=self.tokenizer.eos_ids,
+            move_row=self.kv.copy_row,
+        )
+        self.sampler = Sampler(config.seed)
+        self.stats = EngineStats()
+        self.weight_version = "0"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> list[str]:
+        """Queue a request; with ``params.n > 1`` its n samples share one prefill.
+
+        Returns the engine ids of the samples (``rid`` itself when n == 1, else ``rid#i``).
+        Raises ParamError for a prompt the engine cannot run.
+        """
+        self._check_prompt(prompt_ids)
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise OverflowError(f"queue full ({self.config.scheduler.max_waiting} waiting)")
+        rids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
+        for i, sub in enumerate(rids):
+            seed = None if params.seed is None else params.seed + i
+            self.scheduler.add(
+                Request(
+                    rid=sub,
+                    prompt_ids=list(prompt_ids),
+                    params=params,
+                    detok=Detokenizer(
+                        self.tokenizer.hf, prompt_ids, params.skip_special_tokens, params.stop
+                    ),
+                    group=rid if params.n > 1 else None,
+                    generator=None if seed is None else torch.Generator().manual_seed(seed),
+                )
+            )
+        self.stats.on_add(len(rids), len(prompt_ids))
+        return rids
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ParamError("input_ids", "prompt is empty")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ParamError(
+                "input_ids", f"token id {bad} outside vocabulary [0, {self.vocab_size})"
+            )
+        limit = self.config.model.max_model_len - 1
+        if len(prompt_ids) > limit:
+            raise ParamError(
+                "input_ids", f"prompt has {len(prompt_ids)} tokens, the limit is {limit}"
+            )
+
+    def abort(self, rid: str) -> list[StepOutput]:
+        """Abort a request (all its samples); returns their final outputs (partial tokens)."""
+        outs = [self.scheduler.abort(sub, self.weight_version) for sub in self._family(rid)]
+        return [o for o in outs if o is not None]
+
+    def abort_all(self) -> list[StepOutput]:
+        return self.scheduler.abort_all(self.weight_version)
+
+    def _family(self, rid: str) -> list[str]:
+        reqs = list(self.scheduler.waiting) + self.scheduler.running
+        return [r.rid for r in reqs if r.rid == rid or r.group == rid]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one forward for the scheduled batch and return each request's delta."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        t0 = time.perf_counter()
+        run = self.runner.run(batch)
+        logits = run.logits[batch.logit_index]  # [N, V]
+        sampled = self.sampler.sample(logits, batch.samplers)
+        outputs = self.scheduler.postprocess(batch, sampled, self.weight_version)
+        self.stats.on_step(batch, time.perf_counter() - t0, len(self.scheduler.running))
+        return outputs
+
+    # ---- weights ---------------------------------------------------------------------------
+    def update_weights(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], version: str | None = None
+    ) -> UpdateResult:
+        """Copy HF-named tensors into the target in place, all or nothing.
+
+        Call between steps. On success the version becomes ``version`` (or increments);
+        on failure nothing changed and the message says which tensor was wrong.
+        """
+        try:
+            n = load_weights(self.model, tensors)
+        except WeightError as err:
+            return UpdateResult(False, str(err), self.weight_version)
+        if n == 0:
+            return UpdateResult(False, "no weights in the update", self.weight_version)
+        self.weight_version = version if version is not None else _next_version(self.weight_version)
+        log.info("weights updated (%d tensors) → version %s", n, self.weight_version)
+        return UpdateResult(True, f"updated {n} tensors", self.weight_version)
+
+
+def _next_version(version: str) -> str:
+    return str(int(version) + 1) if version.isdigit() else f"{version}+1"

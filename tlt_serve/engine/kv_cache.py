@@ -1,0 +1,44 @@
+"""Slot-based KV cache, allocated once.
+
+Storage is one tensor [layers, 2, rows, kvH, max_len + 1, D]. Each running sequence owns one
+row; the scheduler keeps running sequences in rows 0..N-1 (compacted on finish), so a decode
+batch reads a contiguous view and never gathers. Column ``max_len`` is a scratch column that
+padding tokens write to. The cache never grows: capacity is ``rows`` sequences of up to
+``max_len`` tokens each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tlt_serve.models.arch import ArchConfig
+
+
+class KVCache:
+    def __init__(
+        self, cfg: ArchConfig, rows: int, max_len: int, dtype: torch.dtype, device: str = "cpu"
+    ) -> None:
+        self.rows = rows
+        self.max_len = max_len
+        shape = (cfg.num_layers, 2, rows, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
+        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        # Per-layer (K, V) views [rows, kvH, max_len + 1, D] handed to the model.
+        self.layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(cfg.num_layers)]
+
+    @property
+    def scratch_col(self) -> int:
+        return self.max_len
+
+    @property
+    def bytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` columns of row ``src`` into row ``dst`` (all layers)."""
+        if src != dst and length > 0:
+            self.storage[:, :, dst, :, :length] = self.storage[:, :, src, :, :length]
+
+    @staticmethod
+    def bytes_per_token(cfg: ArchConfig, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem

@@ -1,0 +1,53 @@
+"""Value objects the engine hands out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tlt_serve.engine.request import FinishReason
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one request gained in one engine step (the delta, not the total)."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    text: str
+    finish: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str  # the target weights this step ran under
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+
+@dataclass
+class RequestResult:
+    """A whole request's output, accumulated from its StepOutputs (offline API, /generate)."""
+
+    rid: str
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish: FinishReason | None = None
+    cached_tokens: int = 0
+    weight_version: str = ""  # version of the last step
+    weight_versions: list[str] = field(default_factory=list)  # all, in order (RL: off-policy)
+
+    def add(self, out: StepOutput) -> None:
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
+        self.top_logprobs.extend(out.top_logprobs)
+        self.text += out.text
+        self.finish = out.finish
+        self.cached_tokens = out.cached_tokens
+        self.weight_version = out.weight_version
+        if not self.weight_versions or self.weight_versions[-1] != out.weight_version:
+            self.weight_versions.append(out.weight_version)

@@ -1,0 +1,57 @@
+"""The one object that tracks a request through the engine. Only the scheduler mutates it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tlt_serve.engine.detokenizer import Detokenizer
+from tlt_serve.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """``type`` is stop | length | abort; ``matched`` the stop token id or string, if any."""
+
+    type: str
+    matched: int | str | None = None
+
+
+@dataclass(eq=False)  # identity semantics: two requests are never 'equal'
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: Detokenizer | None  # present when stop strings or text are needed in the engine
+    group: str | None = None  # samples of one prompt share a group and one prefill
+    generator: torch.Generator | None = None  # per-request seed; None: engine's generator
+    status: Status = Status.WAITING
+    row: int = -1  # KV cache row while running
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose KV came from a sibling's prefill
+    finish: FinishReason | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

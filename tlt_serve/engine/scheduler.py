@@ -1,0 +1,222 @@
+"""Continuous batching over a slot KV cache. Plain Python: testable without a model.
+
+Invariant: ``running[i].row == i``. Running sequences occupy KV rows 0..N-1; when one
+finishes, the last row is moved into its place (``move_row``) so batches stay contiguous.
+Each step is either a prefill of newly admitted requests (first priority, bounded by
+``max_prefill_tokens`` padded tokens and free rows) or one decode token for every running
+request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tlt_serve.engine.outputs import StepOutput
+from tlt_serve.engine.request import FinishReason, Request, Status
+
+RowMover = Callable[[int, int, int], None]  # (src_row, dst_row, num_tokens)
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One forward's worth of work.
+
+    ``forward`` requests run through the model (rows contiguous, in row order). ``samplers``
+    get one new token each; ``logit_index[i]`` is the ``forward`` entry whose last-position
+    logits ``samplers[i]`` samples from (siblings sharing a prefill read their leader's).
+    ``copies`` are (leader_row, sibling_row, length) KV copies to apply after the forward.
+    """
+
+    is_prefill: bool
+    forward: list[Request]
+    samplers: list[Request]
+    logit_index: list[int]
+    copies: list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """Per sampler: token, its logprob, and optional top logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        num_rows: int,
+        max_len: int,
+        max_prefill_tokens: int,
+        eos_ids: frozenset[int],
+        move_row: RowMover,
+    ) -> None:
+        self.num_rows = num_rows
+        self.max_len = max_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_ids = eos_ids
+        self.move_row = move_row
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ---- admission -------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if len(req.prompt_ids) + 1 > self.max_len:
+            raise ValueError(
+                f"prompt: {len(req.prompt_ids)} tokens leave no room for output "
+                f"(max_model_len {self.max_len})"
+            )
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        forward: list[Request] = []
+        samplers: list[Request] = []
+        logit_index: list[int] = []
+        leaders: dict[str, int] = {}
+        longest = 0
+        while self.waiting and len(self.running) < self.num_rows:
+            req = self.waiting[0]
+            lead = leaders.get(req.group) if req.group is not None else None
+            if lead is not None and forward[lead].prompt_ids == req.prompt_ids:
+                req.cached_tokens = len(req.prompt_ids)
+                logit_index.append(lead)
+            else:
+                padded = (len(forward) + 1) * max(longest, len(req.prompt_ids))
+                if forward and padded > self.max_prefill_tokens:
+                    break
+                longest = max(longest, len(req.prompt_ids))
+                if req.group is not None:
+                    leaders[req.group] = len(forward)
+                logit_index.append(len(forward))
+                forward.append(req)
+            self.waiting.popleft()
+            req.row, req.status = len(self.running), Status.RUNNING
+            self.running.append(req)
+            samplers.append(req)
+        if not samplers:
+            return None
+        copies = self._place_siblings(forward, samplers)
+        return ScheduledBatch(True, forward, samplers, logit_index, copies)
+
+    def _place_siblings(
+        self, forward: list[Request], admitted: list[Request]
+    ) -> list[tuple[int, int, int]]:
+        """Give the forward requests contiguous rows, siblings the rows after them.
+
+        Returns (leader_row, sibling_row, prompt_len) KV copies for after the forward.
+        """
+        base = admitted[0].row  # the first admitted request always runs the forward
+        leads = {id(r) for r in forward}
+        siblings = [r for r in admitted if id(r) not in leads]
+        for i, req in enumerate(forward + siblings):
+            req.row = base + i
+            self.running[base + i] = req
+        row_of_group = {r.group: r.row for r in forward if r.group is not None}
+        return [(row_of_group[r.group], r.row, len(r.prompt_ids)) for r in siblings]
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        if not self.running:
+            return None
+        reqs = list(self.running)
+        return ScheduledBatch(False, reqs, reqs, list(range(len(reqs))), [])
+
+    # ---- results ---------------------------------------------------------------------
+    def postprocess(
+        self, batch: ScheduledBatch, sampled: Sampled, version: str
+    ) -> list[StepOutput]:
+        """Append each sampler's token, apply stop rules, free finished rows."""
+        outputs = []
+        for i, req in enumerate(batch.samplers):
+            token, logprob = sampled.token_ids[i], sampled.logprobs[i]
+            top = sampled.top_logprobs[i] if sampled.top_logprobs is not None else None
+            outputs.append(self._append(req, token, logprob, top, version))
+        self._release([r for r in batch.samplers if r.finished])
+        return outputs
+
+    def _append(
+        self,
+        req: Request,
+        token: int,
+        logprob: float,
+        top: list[tuple[int, float]] | None,
+        version: str,
+    ) -> StepOutput:
+        req.output_ids.append(token)
+        req.logprobs.append(logprob)
+        if top is not None:
+            req.top_logprobs.append(top)
+        text, matched = req.detok.push(token) if req.detok is not None else ("", None)
+        p = req.params
+        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+            req.finish = FinishReason("stop", token)
+        elif matched is not None:
+            req.finish = FinishReason("stop", matched)
+        elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_len:
+            req.finish = FinishReason("length")
+        if req.finish is not None:
+            req.status = Status.FINISHED
+            if req.detok is not None:
+                text += req.detok.flush()
+        top_list = [top] if top is not None else []
+        return self._output(req, [token], [logprob], top_list, text, version)
+
+    def _output(
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: list[float],
+        top: list[list[tuple[int, float]]],
+        text: str,
+        version: str,
+    ) -> StepOutput:
+        return StepOutput(
+            rid=req.rid,
+            token_ids=tokens,
+            logprobs=logprobs,
+            top_logprobs=top,
+            text=text,
+            finish=req.finish,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
+            weight_version=version,
+        )
+
+    def _release(self, done: list[Request]) -> None:
+        """Free rows of finished running requests, compacting: last row moves into the hole."""
+        for row in sorted((r.row for r in done if r.row >= 0), reverse=True):
+            last = self.running[-1]
+            if last.row != row:
+                self.move_row(last.row, row, last.num_tokens)
+                last.row = row
+                self.running[row] = last
+            self.running.pop()
+        for r in done:
+            r.row = -1
+
+    # ---- aborts ----------------------------------------------------------------------
+    def abort(self, rid: str, version: str) -> StepOutput | None:
+        """Finish ``rid`` now (waiting or running). Returns its final output, or None."""
+        req = next((r for r in self.waiting if r.rid == rid), None)
+        if req is not None:
+            self.waiting.remove(req)
+        else:
+            req = next((r for r in self.running if r.rid == rid), None)
+        if req is None:
+            return None
+        req.finish, req.status = FinishReason("abort"), Status.FINISHED
+        self._release([req])
+        text = req.detok.flush() if req.detok is not None else ""
+        return self._output(req, [], [], [], text, version)
+
+    def abort_all(self, version: str) -> list[StepOutput]:
+        rids = [r.rid for r in self.waiting] + [r.rid for r in self.running]
+        return [out for rid in rids if (out := self.abort(rid, version)) is not None]

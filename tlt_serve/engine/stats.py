@@ -1,0 +1,52 @@
+"""Counters and histograms the engine keeps for /metrics and benchmarks (no globals)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from tlt_serve.engine.scheduler import ScheduledBatch
+
+STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    running: int = 0
+    batch_tokens: int = 0  # sequences in the last decode batch
+    step_time: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))
+
+    def on_add(self, n: int, prompt_len: int) -> None:
+        self.requests += n
+        self.prompt_tokens += prompt_len
+
+    def on_step(self, batch: ScheduledBatch, seconds: float, running: int) -> None:
+        self.generated_tokens += len(batch.samplers)
+        self.running = running
+        if batch.is_prefill:
+            self.prefill_steps += 1
+        else:
+            self.decode_steps += 1
+            self.batch_tokens = len(batch.samplers)
+        self.step_time.observe(seconds)

@@ -1,0 +1,153 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm, SmolLM2).
+
+Plain PyTorch, written for a batch of cache rows (see ``ForwardBatch``). q/k/v and gate/up
+projections are fused into one matmul each: at batch 1 on CPU a step is overhead-bound, so
+fewer, larger kernels matter. GQA is computed without expanding K/V: the G query heads that
+share a KV head are folded into the query-length axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tlt_serve.models.arch import ArchConfig
+from tlt_serve.models.batch import ForwardBatch
+from tlt_serve.models.rope import apply_rope, cos_sin_table
+
+KVLayer = tuple[torch.Tensor, torch.Tensor]  # K, V, each [S, kvH, L+1, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order as HF: normalise in fp32, cast back, then scale.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.group = cfg.num_heads // cfg.num_kv_heads
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: KVLayer, batch: ForwardBatch, kv: KVLayer
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        B, Q, _ = x.shape
+        D, kvH, G = cfg.head_dim, cfg.num_kv_heads, self.group
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(B, Q, kvH * G, D)
+        k = k.view(B, Q, kvH, D)
+        v = v.view(B, Q, kvH, D)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope  # [B, Q, 1, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        k_cache, v_cache = (
+            kv[0][batch.row_lo : batch.row_lo + B],
+            kv[1][batch.row_lo : batch.row_lo + B],
+        )
+        rows = torch.arange(B).unsqueeze(1)  # [B, 1]
+        k_cache[rows, :, batch.write_pos] = k  # writes [B, Q, kvH, D]
+        v_cache[rows, :, batch.write_pos] = v
+        keys = k_cache[:, :, : batch.kv_len]  # [B, kvH, Kv, D] (view)
+        values = v_cache[:, :, : batch.kv_len]
+
+        # Fold the G query heads of each KV head into the length axis: [B, kvH, G*Q, D].
+        q = q.view(B, Q, kvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, kvH, G * Q, D)
+        mask = batch.mask  # [B, 1, Q, Kv]
+        if G > 1:
+            mask = mask.unsqueeze(2).expand(B, 1, G, Q, batch.kv_len).reshape(B, 1, G * Q, -1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        out = out.view(B, kvH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, cfg.q_size)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, rope: KVLayer, batch: ForwardBatch, kv: KVLayer
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    hidden: torch.Tensor  # [B, Q, H] after the final norm (what lm_head reads)
+    aux: tuple[torch.Tensor, ...]  # [B, Q, H] residual stream after each requested layer
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack + head. Mutates only the KV cache rows named by the batch."""
+
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer(
+            "rope_table", cos_sin_table(cfg.rope, cfg.head_dim, max_positions), persistent=False
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        kv_layers: Sequence[KVLayer],
+        aux_layers: Sequence[int] = (),
+    ) -> ModelOutput:
+        """input_ids [B, Q] → hidden [B, Q, H]; writes the new K/V of every layer."""
+        x = self.embed_tokens(input_ids)  # [B, Q, H]
+        cs = self.rope_table[batch.positions].to(x.dtype)  # [B, Q, 2, D]
+        rope = (cs[:, :, 0:1], cs[:, :, 1:2])  # each [B, Q, 1, D]
+        aux = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, batch, kv_layers[i])
+            if i in aux_layers:
+                aux.append(x)
+        return ModelOutput(hidden=self.norm(x), aux=tuple(aux))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] → logits [N, V] in fp32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,147 @@
+"""HF checkpoint names → this engine's fused parameters; validated, all-or-nothing loading.
+
+The same path serves start-up loading and RL weight updates: every tensor is checked (known
+name, shape, floating dtype) before any parameter is touched, so a bad update changes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tlt_serve.models.arch import ArchConfig
+from tlt_serve.models.llama import LlamaModel
+from tlt_serve.models.rope import cos_sin_table
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Checkpoint entries that carry no weights of ours (recomputed or unused).
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Rows [start, stop) of internal parameter ``name`` (stop None: the whole tensor)."""
+
+    name: str
+    start: int = 0
+    stop: int | None = None
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor that does not fit the model; the message names it."""
+
+
+def param_slot(cfg: ArchConfig, hf_name: str) -> ParamSlot | None:
+    """Where an HF tensor goes; None for tensors we deliberately skip; WeightError if unknown."""
+    if _IGNORED.search(hf_name):
+        return None
+    if hf_name == "model.embed_tokens.weight":
+        return ParamSlot("embed_tokens.weight")
+    if hf_name == "model.norm.weight":
+        return ParamSlot("norm.weight")
+    if hf_name == "lm_head.weight":
+        # Tied checkpoints sometimes still ship lm_head; the embedding is the source of truth.
+        return None if cfg.tie_word_embeddings else ParamSlot("lm_head.weight")
+    m = _LAYER.match(hf_name)
+    if m is None or int(m.group(1)) >= cfg.num_layers:
+        raise WeightError(f"unknown weight name {hf_name!r}")
+    prefix, rest = f"layers.{m.group(1)}.", m.group(2)
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
+    }
+    module, _, kind = rest.rpartition(".")
+    if module in fused:
+        target, start, stop = fused[module]
+        return ParamSlot(f"{prefix}{target}.{kind}", start, stop)
+    plain = {
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    }
+    if module in plain:
+        return ParamSlot(f"{prefix}{rest}")
+    raise WeightError(f"unknown weight name {hf_name!r}")
+
+
+def load_weights(
+    model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]], require_all: bool = False
+) -> int:
+    """Copy HF-named tensors into ``model`` in place; returns how many were applied.
+
+    Validates everything first: on any WeightError nothing has been modified. With
+    ``require_all`` every parameter of the model must be covered (start-up loading).
+    """
+    params = dict(model.named_parameters())
+    plan: list[tuple[torch.Tensor, ParamSlot, torch.Tensor]] = []
+    covered: dict[str, int] = {}
+    for hf_name, tensor in tensors:
+        slot = param_slot(model.cfg, hf_name)
+        if slot is None:
+            continue
+        if slot.name not in params:
+            raise WeightError(f"weight {hf_name!r} has no parameter in this model ({slot.name})")
+        param = params[slot.name]
+        expected = list(param.shape)
+        if slot.stop is not None:
+            expected[0] = slot.stop - slot.start
+        if list(tensor.shape) != expected:
+            raise WeightError(
+                f"weight {hf_name!r} has shape {list(tensor.shape)}, expected {expected}"
+            )
+        if not tensor.is_floating_point():
+            raise WeightError(f"weight {hf_name!r} has dtype {tensor.dtype}, expected floating")
+        if not torch.isfinite(tensor).all():
+            raise WeightError(f"weight {hf_name!r} contains NaN or Inf")
+        plan.append((param, slot, tensor))
+        covered[slot.name] = covered.get(slot.name, 0) + expected[0]
+    if require_all:
+        missing = [n for n, p in params.items() if covered.get(n, 0) < max(p.shape[0], 1)]
+        if missing:
+            raise WeightError(f"checkpoint is missing weights for {missing[:5]}")
+    with torch.no_grad():
+        for param, slot, tensor in plan:
+            dst = param if slot.stop is None else param[slot.start : slot.stop]
+            dst.copy_(tensor.to(param.dtype))
+    return len(plan)
+
+
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor in every *.safetensors file of a directory (or a file)."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def build_model(
+    path: str | Path, dtype: torch.dtype, max_positions: int, device: str = "cpu"
+) -> LlamaModel:
+    """Instantiate the model of an HF directory and load all of its weights."""
+    cfg = ArchConfig.from_dir(path)
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    # The rope table is a non-persistent fp32 buffer: recompute it (meta holds no data and
+    # the dtype cast above must not round it).
+    model.rope_table = cos_sin_table(cfg.rope, cfg.head_dim, max_positions).to(device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_weights(model, iter_safetensors(path), require_all=True)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,45 @@
+"""The target's tokenizer plus what the engine needs from it (eos ids, chat template)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    hf: Any  # transformers PreTrainedTokenizerFast
+    eos_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Chat messages → prompt token ids, with the assistant turn opened."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("messages: this model has no chat template")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(text)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(path))
+    return Tokenizer(hf=hf, eos_ids=frozenset(_eos_ids(Path(path), hf)))
+
+
+def _eos_ids(path: Path, hf: Any) -> set[int]:
+    ids: set[int] = set()
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if hf.eos_token_id is not None:
+        ids.add(int(hf.eos_token_id))
+    return ids

@@ -1,0 +1,76 @@
+"""Per-request sampling settings, validated at the boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ParamError(ValueError):
+    """An out-of-range or ill-typed request field; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. ``temperature == 0`` means greedy.
+
+    ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` disable those filters.
+    ``seed`` makes sampling reproducible whatever else is in the batch.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        # Accept lists from JSON-ish callers but store immutable tuples.
+        object.__setattr__(self, "stop", _str_tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ParamError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ParamError("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ParamError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ParamError("top_k", f"must be -1 (off) or >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ParamError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 1 <= self.n <= 256:
+            raise ParamError("n", f"must be in [1, 256], got {self.n}")
+        if any(s == "" for s in self.stop):
+            raise ParamError("stop", "stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ParamError("stop_token_ids", "token ids must be >= 0")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ParamError("top_logprobs", f"must be in [0, 20], got {self.top_logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ParamError("seed", f"must be in [0, 2**63), got {self.seed}")
+
+
+def _str_tuple(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
