@@ -7,8 +7,14 @@ import torch
 import transformers
 
 from tlt_serve.engine.kv_cache import KVCache
-from tlt_serve.models.batch import ForwardBatch
+from tlt_serve.models.batch import ForwardBatch, flat_write_index
 from tlt_serve.models.loader import WeightError, build_model, iter_safetensors, load_weights
+
+
+def fb(kv: KVCache, pos: torch.Tensor, mask: torch.Tensor) -> ForwardBatch:
+    """Batch over rows 0..B-1 writing each token at its position."""
+    index = flat_write_index(0, pos, kv.storage.shape[3], kv.storage.shape[4])
+    return ForwardBatch(0, pos, index, mask)
 
 
 def _causal(batch: int, q: int) -> torch.Tensor:
@@ -24,7 +30,7 @@ def test_logits_match_hf_prefill_and_decode(tiny_model_factory, model_type: str)
     ids = torch.randint(0, ours.cfg.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
     kv = KVCache(ours.cfg, rows=4, max_len=32, dtype=torch.float32)
     pos = torch.arange(9).expand(3, 9)
-    out = ours(ids, ForwardBatch(0, pos, pos, _causal(3, 9)), kv.layers)
+    out = ours(ids, fb(kv, pos, _causal(3, 9)), kv.layers)
     with torch.no_grad():
         ref = hf(ids).logits
     torch.testing.assert_close(ours.logits(out.hidden), ref, atol=1e-4, rtol=1e-4)
@@ -32,7 +38,7 @@ def test_logits_match_hf_prefill_and_decode(tiny_model_factory, model_type: str)
     nxt = torch.tensor([[5], [6], [7]])
     step = torch.full((3, 1), 9)
     out = ours(
-        nxt, ForwardBatch(0, step, step, torch.ones(3, 1, 1, 10, dtype=torch.bool)), kv.layers
+        nxt, fb(kv, step, torch.ones(3, 1, 1, 10, dtype=torch.bool)), kv.layers
     )
     with torch.no_grad():
         ref = hf(torch.cat([ids, nxt], dim=1)).logits[:, -1]
@@ -45,7 +51,7 @@ def test_aux_hidden_layers_are_residual_stream(tiny_model_dir) -> None:
     ids = torch.tensor([[3, 4, 5, 6]])
     kv = KVCache(ours.cfg, rows=1, max_len=8, dtype=torch.float32)
     pos = torch.arange(4).unsqueeze(0)
-    out = ours(ids, ForwardBatch(0, pos, pos, _causal(1, 4)), kv.layers, aux_layers=(0,))
+    out = ours(ids, fb(kv, pos, _causal(1, 4)), kv.layers, aux_layers=(0,))
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True).hidden_states
     torch.testing.assert_close(out.aux[0], ref[1], atol=1e-5, rtol=1e-5)  # after layer 0
@@ -61,7 +67,7 @@ def test_bf16_model_runs_close_to_fp32(tiny_model_dir) -> None:
     logits = []
     for m, dt in ((fp32, torch.float32), (bf16, torch.bfloat16)):
         kv = KVCache(m.cfg, rows=1, max_len=8, dtype=dt)
-        out = m(ids, ForwardBatch(0, pos, pos, _causal(1, 4)), kv.layers)
+        out = m(ids, fb(kv, pos, _causal(1, 4)), kv.layers)
         logits.append(m.logits(out.hidden))
     assert (logits[0] - logits[1]).abs().max() < 0.5
 

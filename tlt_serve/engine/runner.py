@@ -8,7 +8,7 @@ import torch
 
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.scheduler import ScheduledBatch
-from tlt_serve.models.batch import ForwardBatch
+from tlt_serve.models.batch import ForwardBatch, flat_write_index
 from tlt_serve.models.llama import LlamaModel
 
 
@@ -49,8 +49,8 @@ class ModelRunner:
         # Causal within the prompt; keys past a prompt's end are padding. Padding queries
         # still see the real keys, so no softmax row is empty.
         mask = (cols <= cols.T).unsqueeze(0) & real.unsqueeze(1)  # [B, Q, Q]
-        fb = ForwardBatch(batch.forward[0].row, positions, write_pos, mask.unsqueeze(1))
-        return self._to_device(fb, ids, lens - 1)
+        fb = self._batch(batch.forward[0].row, positions, write_pos, mask.unsqueeze(1))
+        return fb, ids.to(self.device), (lens - 1).to(self.device)
 
     def _decode(self, batch: ScheduledBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
         pos = torch.tensor([r.num_tokens - 1 for r in batch.forward])  # [B]
@@ -58,14 +58,13 @@ class ModelRunner:
         kv_len = int(pos.max()) + 1
         mask = torch.arange(kv_len).unsqueeze(0) <= pos.unsqueeze(1)  # [B, Kv]
         positions = pos.unsqueeze(1)  # [B, 1]
-        fb = ForwardBatch(batch.forward[0].row, positions, positions, mask[:, None, None, :])
-        return self._to_device(fb, ids, torch.zeros_like(pos))
+        fb = self._batch(batch.forward[0].row, positions, positions, mask[:, None, None, :])
+        return fb, ids.to(self.device), torch.zeros_like(pos).to(self.device)
 
-    def _to_device(
-        self, fb: ForwardBatch, ids: torch.Tensor, last: torch.Tensor
-    ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
-        if self.device == "cpu":
-            return fb, ids, last
+    def _batch(
+        self, row_lo: int, positions: torch.Tensor, write_pos: torch.Tensor, mask: torch.Tensor
+    ) -> ForwardBatch:
+        kv_heads, row_len = self.kv.storage.shape[3], self.kv.storage.shape[4]
+        index = flat_write_index(row_lo, write_pos, kv_heads, row_len)
         d = self.device
-        moved = ForwardBatch(fb.row_lo, fb.positions.to(d), fb.write_pos.to(d), fb.mask.to(d))
-        return moved, ids.to(d), last.to(d)
+        return ForwardBatch(row_lo, positions.to(d), index.to(d), mask.to(d))

@@ -15,15 +15,18 @@ class ForwardBatch:
     ``[row_lo, row_lo + B)`` and attention reads a view of it, never a gathered copy.
 
     - ``positions`` [B, Q] long: rotary position of each query token.
-    - ``write_pos`` [B, Q] long: cache column each new K/V is written to; padding tokens
-      point at the scratch column (index ``max_len``) so they never clobber real entries.
+    - ``write_index`` [B * kvH * Q] long: flat index into a layer's K (or V) cache viewed as
+      [rows * kvH * (max_len + 1), D] for each new (row, kv head, token), in that order.
+      Padding tokens point at the scratch column (``max_len``) so they never clobber real
+      entries. One ``index_copy_`` per layer writes the step's K/V (advanced-index
+      assignment was several times slower on CPU).
     - ``mask`` [B, 1, Q, Kv] bool: True where query may attend key column; every row has at
       least one True (padding rows attend column 0) so softmax never sees an empty row.
     """
 
     row_lo: int
     positions: torch.Tensor
-    write_pos: torch.Tensor
+    write_index: torch.Tensor
     mask: torch.Tensor
 
     @property
@@ -33,3 +36,14 @@ class ForwardBatch:
     @property
     def kv_len(self) -> int:
         return int(self.mask.shape[-1])
+
+
+def flat_write_index(
+    row_lo: int, write_pos: torch.Tensor, num_kv_heads: int, row_len: int
+) -> torch.Tensor:
+    """write_pos [B, Q] cache columns → flat indices [B * kvH * Q] (see ForwardBatch)."""
+    B, Q = write_pos.shape
+    rows = torch.arange(row_lo, row_lo + B).view(B, 1, 1)  # [B, 1, 1]
+    heads = torch.arange(num_kv_heads).view(1, num_kv_heads, 1)  # [1, kvH, 1]
+    index = (rows * num_kv_heads + heads) * row_len + write_pos.view(B, 1, Q)  # [B, kvH, Q]
+    return index.reshape(-1)

@@ -61,15 +61,13 @@ class Attention(nn.Module):
         cos, sin = rope  # [B, Q, 1, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        k_cache, v_cache = (
-            kv[0][batch.row_lo : batch.row_lo + B],
-            kv[1][batch.row_lo : batch.row_lo + B],
-        )
-        rows = torch.arange(B).unsqueeze(1)  # [B, 1]
-        k_cache[rows, :, batch.write_pos] = k  # writes [B, Q, kvH, D]
-        v_cache[rows, :, batch.write_pos] = v
-        keys = k_cache[:, :, : batch.kv_len]  # [B, kvH, Kv, D] (view)
-        values = v_cache[:, :, : batch.kv_len]
+        k_cache, v_cache = kv  # [S, kvH, L+1, D]
+        # Write this step's K/V: [B, Q, kvH, D] → [B, kvH, Q, D] rows of the flat cache.
+        k_cache.view(-1, D).index_copy_(0, batch.write_index, k.transpose(1, 2).reshape(-1, D))
+        v_cache.view(-1, D).index_copy_(0, batch.write_index, v.transpose(1, 2).reshape(-1, D))
+        rows = slice(batch.row_lo, batch.row_lo + B)
+        keys = k_cache[rows, :, : batch.kv_len]  # [B, kvH, Kv, D] (view)
+        values = v_cache[rows, :, : batch.kv_len]
 
         # Fold the G query heads of each KV head into the length axis: [B, kvH, G*Q, D].
         q = q.view(B, Q, kvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, kvH, G * Q, D)
