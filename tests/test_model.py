@@ -108,3 +108,20 @@ def test_loader_fills_fused_slices(tiny_model_dir) -> None:
     n = load_weights(model, [("model.layers.1.self_attn.v_proj.weight", v * 2)])
     assert n == 1 and torch.equal(fused[-v.shape[0] :], v * 2)
     assert torch.equal(fused[: q.shape[0]], q)
+
+
+def test_fp32_batch_copies_track_weight_updates(tiny_model_dir, tiny_model_factory) -> None:
+    """bf16 on CPUs without bf16 GEMM multiplies batches in fp32 against copies of the same
+    weights; a weight update must refresh those copies or batches would use stale weights."""
+    model = build_model(tiny_model_dir, torch.bfloat16, 64)
+    model.set_fp32_batch_matmul(True)
+    proj = model.layers[0].mlp.down_proj
+    assert proj.weight_f32 is not None and torch.equal(proj.weight_f32, proj.weight.float())
+    load_weights(model, iter_safetensors(tiny_model_factory("llama", seed=1)))
+    assert torch.equal(proj.weight_f32, proj.weight.float())
+    assert torch.equal(model.lm_head.weight_f32, model.embed_tokens.weight.float())
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    batched = proj(torch.randn(3, 128, dtype=torch.bfloat16))
+    assert batched.dtype == torch.bfloat16
+    single = model.logits(x[:1])  # M == 1: the bf16 kernel
+    torch.testing.assert_close(single, model.logits(x)[:1], atol=0.1, rtol=0.02)

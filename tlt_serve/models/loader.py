@@ -115,6 +115,8 @@ def load_weights(
         for param, slot, tensor in plan:
             dst = param if slot.stop is None else param[slot.start : slot.stop]
             dst.copy_(tensor.to(param.dtype))
+    if plan and model.fp32_batch_matmul:
+        model.set_fp32_batch_matmul(True)  # refresh the fp32 copies from the new weights
     return len(plan)
 
 
@@ -144,4 +146,12 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, iter_safetensors(path), require_all=True)
+    model.set_fp32_batch_matmul(needs_fp32_batch_matmul(dtype, device))
     return model.eval().requires_grad_(False)
+
+
+def needs_fp32_batch_matmul(dtype: torch.dtype, device: str) -> bool:
+    """bf16 on a CPU without native bf16 GEMM (no AVX512-BF16 / AMX): see ``Linear``."""
+    if dtype != torch.bfloat16 or not device.startswith("cpu"):
+        return False
+    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
