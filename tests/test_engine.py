@@ -235,3 +235,67 @@ def test_weight_update_changes_outputs_and_version(tiny_model_dir, tiny_model_fa
     assert after.weight_version == "step-1" and after.token_ids != before.token_ids
     fresh = make_llm(other, rows=2).generate([ids], GREEDY)[0].samples[0]
     assert after.token_ids == fresh.token_ids
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_weight_update_from_distributed(tiny_model_dir, tiny_model_factory) -> None:
+    """The trainer (rank 0, here the main thread) broadcasts tensors over gloo; the engine
+    (rank 1) receives them between steps and applies them all or none."""
+    import threading
+
+    from tlt_serve.engine.weight_sync import TensorSpec, WeightSyncGroup, specs_of
+
+    llm = make_llm(tiny_model_dir, rows=2)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    before = llm.generate([ids], GREEDY)[0].samples[0].token_ids
+    port = _free_port()
+    results = {}
+
+    def engine_side(action) -> None:
+        results[action.__name__] = action()
+
+    def join():
+        return llm.engine.init_weight_sync("127.0.0.1", port, 1, 2, "gloo")
+
+    t = threading.Thread(target=engine_side, args=(join,))
+    t.start()
+    trainer = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo")
+    t.join()
+    assert results["join"].ok
+
+    # A spec whose shape does not fit is received, then refused as a whole.
+    new = list(iter_safetensors(tiny_model_factory("llama", seed=1)))
+    bad = [*new[:3], ("model.norm.weight", torch.ones(7))]
+
+    def update_bad():
+        return llm.engine.update_weights_from_distributed(specs_of(bad), "bad")
+
+    t = threading.Thread(target=engine_side, args=(update_bad,))
+    t.start()
+    trainer.send(bad)
+    t.join()
+    assert not results["update_bad"].ok and "model.norm.weight" in results["update_bad"].message
+    assert llm.generate([ids], GREEDY)[0].samples[0].token_ids == before
+
+    def update_good():
+        return llm.engine.update_weights_from_distributed(specs_of(new), "rl-1")
+
+    t = threading.Thread(target=engine_side, args=(update_good,))
+    t.start()
+    trainer.send(new)
+    t.join()
+    assert results["update_good"].ok and llm.engine.weight_version == "rl-1"
+    after = llm.generate([ids], GREEDY)[0].samples[0]
+    fresh = make_llm(tiny_model_factory("llama", seed=1), rows=2).generate([ids], GREEDY)
+    assert after.token_ids == fresh[0].samples[0].token_ids != before
+    assert after.weight_version == "rl-1"
+    assert not llm.engine.update_weights_from_distributed(
+        [TensorSpec("x", "int8", (1,))], "v"
+    ).ok

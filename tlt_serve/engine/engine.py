@@ -23,6 +23,7 @@ from tlt_serve.engine.runner import ModelRunner
 from tlt_serve.engine.sampler import Sampler
 from tlt_serve.engine.scheduler import Scheduler
 from tlt_serve.engine.stats import EngineStats
+from tlt_serve.engine.weight_sync import TensorSpec, WeightSyncGroup
 from tlt_serve.models.loader import WeightError, build_model, load_weights
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
@@ -65,6 +66,7 @@ class Engine:
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         self.weight_version = "0"
+        self.weight_sync: WeightSyncGroup | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -159,6 +161,41 @@ class Engine:
         self.weight_version = version if version is not None else _next_version(self.weight_version)
         log.info("weights updated (%d tensors) → version %s", n, self.weight_version)
         return UpdateResult(True, f"updated {n} tensors", self.weight_version)
+
+    def init_weight_sync(
+        self, master_address: str, master_port: int, rank: int, world_size: int, backend: str
+    ) -> UpdateResult:
+        """Join the trainer's weight-broadcast group (blocks until all ranks have joined)."""
+        try:
+            self.weight_sync = WeightSyncGroup(
+                master_address,
+                master_port,
+                rank,
+                world_size,
+                backend,
+                device=self.config.model.device,
+            )
+        except (RuntimeError, ValueError) as err:  # rendezvous timeout, refused, bad args
+            return UpdateResult(
+                False, f"init_weights_update_group failed: {err}", self.weight_version
+            )
+        return UpdateResult(True, f"joined as rank {rank} of {world_size}", self.weight_version)
+
+    def update_weights_from_distributed(
+        self, specs: list[TensorSpec], version: str | None = None
+    ) -> UpdateResult:
+        """Receive the named tensors from the trainer (rank 0), then apply them all or none."""
+        if self.weight_sync is None:
+            return UpdateResult(
+                False,
+                "no weight update group: call init_weights_update_group first",
+                self.weight_version,
+            )
+        try:
+            tensors = self.weight_sync.receive(specs)
+        except (RuntimeError, ValueError) as err:
+            return UpdateResult(False, f"receiving weights failed: {err}", self.weight_version)
+        return self.update_weights(tensors, version)
 
 
 def _next_version(version: str) -> str:
