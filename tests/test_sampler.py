@@ -1,0 +1,92 @@
+"""The sampler alone: distributions after temperature / top-k / top-p / min-p, seeds, greedy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tlt_serve.engine.request import Request
+from tlt_serve.engine.sampler import Sampler
+from tlt_serve.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+def reqs(params: SamplingParams, n: int, seed: int | None = None) -> list[Request]:
+    out = []
+    for i in range(n):
+        gen = None if seed is None else torch.Generator().manual_seed(seed + i)
+        out.append(Request(f"r{i}", [1], params, None, generator=gen))
+    return out
+
+
+def expected(params: SamplingParams) -> torch.Tensor:
+    """Reference distribution written independently of the sampler (a loop over tokens)."""
+    p = torch.softmax(LOGITS / params.temperature, dim=0)
+    order = p.argsort(descending=True).tolist()
+    keep = set()
+    mass = 0.0
+    for rank, tok in enumerate(order):
+        if params.top_k > 0 and rank >= params.top_k:
+            break
+        keep.add(tok)
+        mass += float(p[tok])
+        if mass >= params.top_p:
+            break
+    q = torch.tensor([float(p[t]) if t in keep else 0.0 for t in range(len(LOGITS))])
+    q = q / q.sum()
+    q = torch.where(q >= params.min_p * q.max(), q, torch.zeros_like(q))
+    return q / q.sum()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=2.0, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.7),
+        SamplingParams(temperature=1.3, top_p=0.9, top_k=5),
+        SamplingParams(temperature=1.0, min_p=0.3),
+    ],
+)
+def test_empirical_distribution_matches(params: SamplingParams) -> None:
+    n = 40000
+    sampler = Sampler(seed=0)
+    tokens = torch.tensor(sampler.sample(LOGITS.expand(n, -1).clone(), reqs(params, n)).token_ids)
+    freq = torch.bincount(tokens, minlength=len(LOGITS)).double() / n
+    q = expected(params).double()
+    assert torch.all(freq[q == 0] == 0), "a filtered-out token was sampled"
+    # Chi-square over the kept tokens; 8 bins, the 99.9% quantile of chi2(7) is 24.3.
+    kept = q > 0
+    chi2 = float(((freq[kept] - q[kept]) ** 2 / q[kept]).sum() * n)
+    assert chi2 < 24.3, (chi2, freq, q)
+
+
+def test_chi_square_detects_a_biased_sampler() -> None:
+    """The check above has power: a slightly wrong temperature fails it."""
+    n = 40000
+    sampler = Sampler(seed=0)
+    wrong = SamplingParams(temperature=1.1)
+    tokens = torch.tensor(sampler.sample(LOGITS.expand(n, -1).clone(), reqs(wrong, n)).token_ids)
+    freq = torch.bincount(tokens, minlength=len(LOGITS)).double() / n
+    q = expected(SamplingParams(temperature=1.0)).double()
+    assert float(((freq - q) ** 2 / q).sum() * n) > 24.3
+
+
+def test_seeded_rows_ignore_the_rest_of_the_batch() -> None:
+    p = SamplingParams(temperature=1.0)
+    alone = Sampler(seed=0).sample(LOGITS.expand(4, -1).clone(), reqs(p, 4, seed=5))
+    mixed_reqs = reqs(p, 3) + reqs(p, 4, seed=5)
+    mixed = Sampler(seed=1).sample(LOGITS.expand(7, -1).clone(), mixed_reqs)
+    assert mixed.token_ids[3:] == alone.token_ids
+
+
+def test_greedy_rows_take_argmax_and_report_raw_logprobs() -> None:
+    rows = reqs(SamplingParams(temperature=0.0, top_logprobs=2), 2)
+    rows += reqs(SamplingParams(temperature=1.0), 1)
+    out = Sampler(seed=0).sample(LOGITS.expand(3, -1).clone(), rows)
+    assert out.token_ids[:2] == [0, 0]
+    ref = torch.log_softmax(LOGITS, dim=0)
+    assert out.logprobs[0] == pytest.approx(float(ref[0]), abs=1e-6)
+    assert out.top_logprobs is not None and [t for t, _ in out.top_logprobs[0]] == [0, 1]
