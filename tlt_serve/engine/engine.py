@@ -162,6 +162,17 @@ class Engine:
         log.info("weights updated (%d tensors) → version %s", n, self.weight_version)
         return UpdateResult(True, f"updated {n} tensors", self.weight_version)
 
+    def set_weight_version(self, version: str) -> None:
+        """Relabel the current weights (``/update_weight_version``); weights are untouched."""
+        if not version:
+            raise ParamError("new_version", "must be a non-empty string")
+        self.weight_version = version
+
+    def close_weight_sync(self) -> bool:
+        """Leave the trainer's weight-broadcast group; False when there was none."""
+        had, self.weight_sync = self.weight_sync is not None, None
+        return had
+
     def init_weight_sync(
         self, master_address: str, master_port: int, rank: int, world_size: int, backend: str
     ) -> UpdateResult:

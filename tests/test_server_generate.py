@@ -1,0 +1,228 @@
+"""SGLang-native /generate over a real engine process: equality with the offline engine,
+batching, n>1, streaming, logprobs, seeds, stops, and the generic endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.test_server_harness import MAX_MODEL_LEN, Served, serve, sse_events
+from tlt_serve import LLM, SamplingParams
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?"]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir) -> Iterator[Served]:
+    s = serve(tiny_model_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture
+def http(served: Served) -> Iterator[httpx.Client]:
+    with served.http() as client:
+        yield client
+
+
+def greedy(max_new_tokens: int = 16, **kw) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0, **kw}
+
+
+def test_greedy_text_matches_offline_engine(http, llm) -> None:
+    ref = llm.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0))
+    for prompt, expected in zip(PROMPTS, ref, strict=True):
+        body = {"text": prompt, "sampling_params": greedy(), "return_logprob": True}
+        out = http.post("/generate", json=body).json()
+        sample = expected.samples[0]
+        assert out["output_ids"] == sample.token_ids
+        assert out["text"] == sample.text
+        lps = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        assert [e[1] for e in out["meta_info"]["output_token_logprobs"]] == sample.token_ids
+        assert lps == pytest.approx(sample.logprobs, abs=1e-5)
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(expected.prompt_ids)
+        assert meta["completion_tokens"] == len(sample.token_ids)
+        assert meta["weight_version"] == "0"
+        assert meta["finish_reason"]["type"] in ("stop", "length")
+
+
+def test_concurrent_requests_match_offline(served, llm) -> None:
+    """Whatever the batch composition, fp32 greedy outputs are the offline ones."""
+    ids = [[5 + i, 40 + i, 77 + 2 * i] for i in range(12)]
+    ref = llm.generate(ids, SamplingParams(max_new_tokens=12, temperature=0))
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=served.base_url, timeout=60) as client:
+            reqs = [client.post("/generate", json={"input_ids": p, "sampling_params": greedy(12)})
+                    for p in ids]
+            return [r.json() for r in await asyncio.gather(*reqs)]
+
+    outs = asyncio.run(run())
+    assert [o["output_ids"] for o in outs] == [r.samples[0].token_ids for r in ref]
+
+
+def test_batch_and_n_order_is_prompt_major(http, llm) -> None:
+    ids = [[5, 6, 7], [8, 9, 10, 11]]
+    body = {"input_ids": ids, "sampling_params": greedy(6, n=2)}
+    outs = http.post("/generate", json=body).json()
+    assert isinstance(outs, list) and len(outs) == 4
+    ref = llm.generate(ids, SamplingParams(max_new_tokens=6, temperature=0))
+    expected = [r.samples[0].token_ids for r in ref for _ in range(2)]
+    assert [o["output_ids"] for o in outs] == expected
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [3, 3, 4, 4]
+    assert outs[0]["meta_info"]["id"].endswith("#0") and outs[1]["meta_info"]["id"].endswith("#1")
+
+
+def test_batch_with_rids_and_per_prompt_params(http) -> None:
+    body = {
+        "text": ["hello", "world"],
+        "rid": ["a-1", "a-2"],
+        "sampling_params": [greedy(2), greedy(3)],
+    }
+    outs = http.post("/generate", json=body).json()
+    assert [o["meta_info"]["id"] for o in outs] == ["a-1", "a-2"]
+    assert [len(o["output_ids"]) for o in outs] == [2, 3]
+
+
+def test_single_prompt_is_an_object_and_n_gives_a_list(http) -> None:
+    one = http.post("/generate", json={"text": "hi", "sampling_params": greedy(2)}).json()
+    assert isinstance(one, dict)
+    many = http.post("/generate", json={"text": "hi", "sampling_params": greedy(2, n=3)}).json()
+    assert isinstance(many, list) and len(many) == 3
+
+
+def test_stream_is_cumulative_and_ends_like_the_blocking_call(http) -> None:
+    body = {"text": PROMPTS[0], "sampling_params": greedy(10), "return_logprob": True}
+    full = http.post("/generate", json=body).json()
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp.iter_lines())
+    assert len(events) >= 2
+    for prev, cur in zip(events, events[1:], strict=False):
+        assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
+        assert cur["text"].startswith(prev["text"])
+        assert prev["meta_info"]["finish_reason"] is None
+    last = events[-1]
+    assert last["output_ids"] == full["output_ids"] and last["text"] == full["text"]
+    assert last["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
+    assert last["meta_info"]["output_token_logprobs"] == full["meta_info"]["output_token_logprobs"]
+
+
+def test_stream_batch_events_carry_an_index(http) -> None:
+    body = {"input_ids": [[5, 6], [7, 8]], "sampling_params": greedy(4, n=2), "stream": True}
+    with http.stream("POST", "/generate", json=body) as resp:
+        events = sse_events(resp.iter_lines())
+    finals = {e["index"]: e for e in events if e["meta_info"]["finish_reason"] is not None}
+    assert sorted(finals) == [0, 1, 2, 3]
+    assert all(len(e["output_ids"]) == 4 for e in finals.values())
+
+
+def test_top_logprobs_and_token_text(http) -> None:
+    body = {"text": "hello", "sampling_params": greedy(5), "return_logprob": True,
+            "top_logprobs_num": 3, "return_text_in_logprobs": True}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    tops = meta["output_top_logprobs"]
+    assert len(tops) == 5 and all(len(t) == 3 for t in tops)
+    for (lp, tok, text), top in zip(meta["output_token_logprobs"], tops, strict=True):
+        assert isinstance(text, str)
+        assert top[0][1] == tok and top[0][0] == pytest.approx(lp)  # greedy picks the top-1
+        assert [t[0] for t in top] == sorted((t[0] for t in top), reverse=True)
+
+
+def test_seeds_are_reproducible(http) -> None:
+    def sample(seed: int) -> list[int]:
+        sp = {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": seed}
+        return http.post("/generate", json={"text": "hello", "sampling_params": sp}).json()[
+            "output_ids"
+        ]
+
+    assert sample(123) == sample(123)
+    assert len({tuple(sample(s)) for s in (1, 2, 3, 4)}) > 1
+
+
+def test_n_samples_with_a_seed_differ_but_reproduce(http) -> None:
+    sp = {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 9, "n": 3}
+    body = {"text": "hi", "sampling_params": sp}
+    a = [o["output_ids"] for o in http.post("/generate", json=body).json()]
+    b = [o["output_ids"] for o in http.post("/generate", json=body).json()]
+    assert a == b and len({tuple(x) for x in a}) > 1
+
+
+def test_stop_token_ids_and_stop_strings(http) -> None:
+    base = http.post("/generate", json={"text": PROMPTS[2], "sampling_params": greedy(12)}).json()
+    stop_tok = base["output_ids"][3]
+    cut = base["output_ids"].index(stop_tok)
+    out = http.post("/generate", json={
+        "text": PROMPTS[2], "sampling_params": greedy(12, stop_token_ids=[stop_tok])
+    }).json()
+    assert out["output_ids"] == base["output_ids"][: cut + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    text = base["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    if stop.strip():
+        out = http.post("/generate", json={
+            "text": PROMPTS[2], "sampling_params": greedy(12, stop=[stop])
+        }).json()
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert stop not in out["text"] and text.startswith(out["text"])
+
+
+def test_tokenize_detokenize_roundtrip(http, llm) -> None:
+    tok = http.post("/tokenize", json={"prompt": "The quick brown fox"}).json()
+    assert tok["tokens"] == llm.tokenizer.encode("The quick brown fox")
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == MAX_MODEL_LEN
+    text = http.post("/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert text["text"] == text["prompt"] == "The quick brown fox"
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_info_health_and_metrics(http) -> None:
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] and info["max_model_len"] == MAX_MODEL_LEN
+    assert http.get("/get_weight_version").json() == {"weight_version": "0"}
+    server = http.get("/get_server_info").json()
+    assert server["engine_info"]["vocab_size"] > 0 and server["api_key"] is None
+    metrics = http.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    for name in ("requests_total", "generation_tokens_total", "num_requests_running",
+                 "num_requests_waiting", "batch_occupancy", "step_time_seconds_bucket"):
+        assert f"tlt_serve_{name}" in text
+    assert 'le="+Inf"' in text and "tlt_serve_engine_alive" in text
+
+
+def test_flush_cache_when_idle(http) -> None:
+    resp = http.post("/flush_cache")
+    assert resp.status_code == 200 and resp.json()["success"]
+
+
+def test_bridge_generate_and_call_api(served, http, llm) -> None:
+    """EngineClient used directly (on the server's loop): outputs of all n samples, RPCs."""
+    http.get("/health_generate")  # makes sure the client is bound to the server's loop
+    loop = served.client.loop
+    assert loop is not None
+    params = SamplingParams(max_new_tokens=5, temperature=0, n=2)
+
+    async def run() -> tuple[list, dict]:
+        outs = [o async for o in served.client.generate("bridge-1", [5, 6, 7], params)]
+        return outs, await served.client.call("stats")
+
+    outs, stats = asyncio.run_coroutine_threadsafe(run(), loop).result(30)
+    ref = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5, temperature=0))
+    for sub in ("bridge-1#0", "bridge-1#1"):
+        assert [t for o in outs if o.rid == sub for t in o.token_ids] == ref[0].samples[0].token_ids
+        assert [o.finished for o in outs if o.rid == sub][-1]
+    assert stats["stats"].running == 0

@@ -1,0 +1,156 @@
+"""Process lifecycle: the CLI (ready line, SIGTERM with in-flight requests), a dying engine
+process, and an engine that cannot start."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_server_harness import engine_counts, serve, server_config, sse_events, wait_for
+from tlt_serve.server.bridge import EngineClient, EngineStartError
+
+REPO = Path(__file__).resolve().parents[1]
+LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+
+def start_cli(model: str, *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "tlt_serve.server.cli", "serve", "--model", model, "--port", "0",
+           "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
+           "--log-level", "warning", *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=REPO)
+
+
+def read_ready_url(proc: subprocess.Popen[str], timeout: float = 120) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        m = re.search(r"tlt-serve ready: (http://\S+) \(model ", line)
+        if m:
+            return m.group(1)
+    raise AssertionError("no ready line; output:\n" + "".join(seen))
+
+
+def test_cli_serves_and_sigterm_aborts_in_flight(tiny_model_dir) -> None:
+    proc = start_cli(str(tiny_model_dir), "--api-key", "k")
+    try:
+        url = read_ready_url(proc)
+        headers = {"Authorization": "Bearer k"}
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
+            assert http.get("/health").status_code == 200
+            out = http.post("/generate", json={"text": "hi", "sampling_params": {
+                "max_new_tokens": 3, "temperature": 0}}).json()
+            assert len(out["output_ids"]) == 3
+            http.post("/pause_generation", json={"mode": "in_place"})
+            events: list = []
+
+            def stream() -> None:
+                body = {"text": "hi", "sampling_params": LONG, "stream": True}
+                with httpx.Client(base_url=url, headers=headers, timeout=60) as c, c.stream(
+                    "POST", "/generate", json=body
+                ) as resp:
+                    events.extend(sse_events(resp.iter_lines()))
+
+            t = threading.Thread(target=stream, daemon=True)
+            t.start()
+            wait_for(lambda: engine_counts(http)[1] == 1)
+            engines = children(proc.pid)
+            assert engines, "the engine runs in its own process"
+            proc.send_signal(signal.SIGTERM)
+            t.join(30)
+        assert events and events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        # uvicorn re-raises the signal after its graceful shutdown: -SIGTERM is the clean exit.
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        wait_for(lambda: not [pid for pid in engines if running(pid)])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.stdout is not None
+    assert "k" not in re.findall(r"Bearer \S+", proc.stdout.read())
+
+
+def children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def running(pid: int) -> bool:
+    """Exists and is not a zombie (an orphan's zombie may linger where pid 1 does not reap)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_cli_bad_model_exits_nonzero(tmp_path) -> None:
+    proc = start_cli(str(tmp_path / "missing"))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "engine failed to start" in out
+
+
+def test_engine_start_failure_is_reported_not_hung(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a directory that is not a model
+    client = EngineClient(server_config(tmp_path).engine, "critical")
+    with pytest.raises(EngineStartError):
+        client.start(timeout=120)
+    client.shutdown()
+
+
+def test_engine_death_fails_requests_and_health(tiny_model_dir) -> None:
+    served = serve(tiny_model_dir)
+    try:
+        with served.http() as http:
+            http.post("/pause_generation", json={"mode": "in_place"})
+            results: dict[str, object] = {}
+
+            def blocking() -> None:
+                with served.http() as c:
+                    results["blocking"] = c.post("/generate", json={"text": "a",
+                                                                    "sampling_params": LONG})
+
+            def streaming() -> None:
+                body = {"text": "b", "sampling_params": LONG, "stream": True}
+                with served.http() as c, c.stream("POST", "/generate", json=body) as resp:
+                    results["stream"] = sse_events(resp.iter_lines())
+
+            threads = [threading.Thread(target=f, daemon=True) for f in (blocking, streaming)]
+            for t in threads:
+                t.start()
+            wait_for(lambda: engine_counts(http)[1] == 2)
+            served.client._proc.kill()  # the engine process dies mid-service
+            for t in threads:
+                t.join(30)
+            blocked = results["blocking"]
+            assert isinstance(blocked, httpx.Response) and blocked.status_code == 503
+            events = results["stream"]
+            assert isinstance(events, list) and events[-1]["error"]["code"] == 503
+            wait_for(lambda: http.get("/health").status_code == 503)
+            resp = http.post("/generate", json={"text": "c"})
+            assert resp.status_code == 503 and "engine" in resp.json()["error"]["message"]
+    finally:
+        served.stop()

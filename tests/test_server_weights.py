@@ -1,0 +1,231 @@
+"""Weight updates over HTTP: from disk, from uploaded safetensors bytes (chunked), versions,
+and rejected updates that leave the old weights serving."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save
+
+from tests.test_server_harness import MAX_MODEL_LEN, Served, engine_counts, serve, wait_for
+from tlt_serve import LLM, SamplingParams
+from tlt_serve.engine.weight_sync import WeightSyncGroup, specs_of
+
+PROMPT = [5, 17, 42, 99]
+GREEDY = {"max_new_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir) -> Iterator[Served]:
+    s = serve(tiny_model_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def other_dir(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama", seed=1)
+
+
+def offline(model_dir: Path) -> list[int]:
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    out = llm.generate([PROMPT], SamplingParams(**GREEDY))
+    return out[0].samples[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir, other_dir) -> dict[str, list[int]]:
+    ref = {"base": offline(tiny_model_dir), "other": offline(other_dir)}
+    assert ref["base"] != ref["other"], "the two tiny models must disagree for these tests"
+    return ref
+
+
+@pytest.fixture
+def http(served: Served, tiny_model_dir) -> Iterator[httpx.Client]:
+    with served.http() as client:
+        # Every test starts from the base weights, labelled "base", generation running.
+        client.post("/continue_generation")
+        resp = client.post("/update_weights_from_disk",
+                           json={"model_path": str(tiny_model_dir), "weight_version": "base"})
+        assert resp.status_code == 200, resp.text
+        yield client
+
+
+def generate(http: httpx.Client) -> dict:
+    return http.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}).json()
+
+
+def checkpoint_bytes(model_dir: Path) -> bytes:
+    return (model_dir / "model.safetensors").read_bytes()
+
+
+def upload(http: httpx.Client, data: bytes, chunks: int, **params: str) -> httpx.Response:
+    size = -(-len(data) // chunks)
+    resp = None
+    for i in range(chunks):
+        query = {"chunk": i, "num_chunks": chunks, **params}
+        resp = http.post("/update_weights_from_tensor", params=query,
+                         content=data[i * size : (i + 1) * size])
+        assert resp.status_code == 200 or i == chunks - 1, resp.text
+    assert resp is not None
+    return resp
+
+
+def test_update_from_disk_changes_outputs_and_version(http, other_dir, expected) -> None:
+    assert generate(http)["output_ids"] == expected["base"]
+    resp = http.post("/update_weights_from_disk",
+                     json={"model_path": str(other_dir), "weight_version": "v7"})
+    assert resp.status_code == 200
+    assert resp.json()["success"] and resp.json()["weight_version"] == "v7"
+    out = generate(http)
+    assert out["output_ids"] == expected["other"]
+    assert out["meta_info"]["weight_version"] == "v7"
+    assert http.get("/get_weight_version").json() == {"weight_version": "v7"}
+    metrics = http.get("/metrics").text
+    assert 'version="v7"' in metrics
+
+
+def test_update_from_tensor_in_chunks(http, tiny_model_dir, other_dir, expected) -> None:
+    resp = upload(http, checkpoint_bytes(other_dir), 3, weight_version="12")
+    assert resp.status_code == 200 and resp.json() == {
+        "success": True, "message": resp.json()["message"], "weight_version": "12",
+        "num_paused_requests": 0,
+    }
+    assert generate(http)["output_ids"] == expected["other"]
+    # No version given: it increments.
+    resp = upload(http, checkpoint_bytes(tiny_model_dir), 1)
+    assert resp.json()["weight_version"] == "13"
+    out = generate(http)
+    assert out["output_ids"] == expected["base"] and out["meta_info"]["weight_version"] == "13"
+
+
+def test_partial_tensor_update(http, other_dir) -> None:
+    """A subset of tensors is a valid update (e.g. only the final norm)."""
+    tensors = load_file(str(other_dir / "model.safetensors"))
+    resp = upload(http, save({"model.norm.weight": tensors["model.norm.weight"]}), 1)
+    assert resp.status_code == 200 and "1 tensors" in resp.json()["message"]
+
+
+@pytest.mark.parametrize("payload", [
+    b"this is not a safetensors file",
+    save({"model.norm.weight": torch.ones(3)}),  # wrong shape
+    save({"model.layers.0.nonsense.weight": torch.ones(64)}),  # unknown name
+    save({"model.norm.weight": torch.full((64,), float("nan"))}),  # non-finite
+    b"",
+])
+def test_bad_tensor_updates_are_rejected_and_old_weights_keep_serving(
+    http, expected, payload
+) -> None:
+    resp = upload(http, payload, 1, weight_version="bad")
+    assert resp.status_code == 400
+    body = resp.json()
+    assert body["success"] is False and body["weight_version"] == "base"
+    out = generate(http)
+    assert out["output_ids"] == expected["base"] and out["meta_info"]["weight_version"] == "base"
+
+
+def test_shape_error_names_the_tensor(http) -> None:
+    resp = upload(http, save({"model.norm.weight": torch.ones(3)}), 1)
+    assert "model.norm.weight" in resp.json()["message"]
+
+
+def test_out_of_order_chunk_discards_the_upload(http, other_dir, expected) -> None:
+    data = checkpoint_bytes(other_dir)
+    ok = http.post("/update_weights_from_tensor", params={"chunk": 0, "num_chunks": 2},
+                   content=data[:100])
+    assert ok.status_code == 200 and ok.json()["success"]
+    bad = http.post("/update_weights_from_tensor", params={"chunk": 0, "num_chunks": 3},
+                    content=data[:100])  # restart with another count: allowed
+    assert bad.status_code == 200
+    skip = http.post("/update_weights_from_tensor", params={"chunk": 2, "num_chunks": 3},
+                     content=data[100:])
+    assert skip.status_code == 400
+    assert generate(http)["output_ids"] == expected["base"]
+
+
+def test_missing_disk_checkpoint_is_400(http, tmp_path, expected) -> None:
+    resp = http.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})
+    assert resp.status_code == 400 and resp.json()["success"] is False
+    assert generate(http)["output_ids"] == expected["base"]
+
+
+def test_update_weight_version(http) -> None:
+    resp = http.post("/update_weight_version", json={"new_version": "step-42"})
+    assert resp.status_code == 200 and resp.json()["weight_version"] == "step-42"
+    assert http.get("/get_weight_version").json()["weight_version"] == "step-42"
+    assert generate(http)["meta_info"]["weight_version"] == "step-42"
+
+
+def test_in_flight_request_reports_every_version(served, http, other_dir) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 200,
+                                                       "ignore_eos": True}, "stream": True}
+    with served.http() as streamer, streamer.stream("POST", "/generate", json=body) as resp:
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        http.post("/pause_generation", json={"mode": "in_place"})
+        update = http.post("/update_weights_from_disk",
+                           json={"model_path": str(other_dir), "weight_version": "next"})
+        assert update.status_code == 200
+        http.post("/continue_generation")
+        last = [line for line in lines if line.startswith("data: {")][-1]
+    meta = httpx.Response(200, content=last[len("data: "):]).json()["meta_info"]
+    assert meta["weight_versions"] == ["base", "next"]
+    assert meta["weight_version"] == "next"
+    wait_for(lambda: engine_counts(http) == (0, 0, 0))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_update_from_distributed_group(served, http, other_dir, expected) -> None:
+    """The test process plays the trainer: rank 0 of a gloo group, broadcasting weights."""
+    port = free_port()
+    replies: dict[str, httpx.Response] = {}
+
+    def call(path: str, body: dict) -> None:
+        with served.http() as c:
+            replies[path] = c.post(path, json=body)
+
+    init = threading.Thread(target=call, args=("/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": "rl", "backend": "gloo",
+    }))
+    init.start()
+    trainer = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=60)
+    init.join(60)
+    assert replies["/init_weights_update_group"].status_code == 200
+
+    named = sorted(load_file(str(other_dir / "model.safetensors")).items())
+    specs = specs_of(named)
+    update = threading.Thread(target=call, args=("/update_weights_from_distributed", {
+        "names": [s.name for s in specs], "dtypes": [f"torch.{s.dtype}" for s in specs],
+        "shapes": [list(s.shape) for s in specs], "weight_version": "dist-1", "group_name": "rl",
+    }))
+    update.start()
+    trainer.send(named)
+    update.join(60)
+    resp = replies["/update_weights_from_distributed"]
+    assert resp.status_code == 200 and resp.json()["weight_version"] == "dist-1"
+    out = generate(http)
+    assert out["output_ids"] == expected["other"]
+    assert out["meta_info"]["weight_version"] == "dist-1"
+
+    bad = http.post("/update_weights_from_distributed", json={
+        "names": ["x"], "dtypes": ["int8"], "shapes": [[1]], "group_name": "rl"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "dtypes"
+    wrong = http.post("/update_weights_from_distributed", json={
+        "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]})
+    assert wrong.status_code == 400 and "group" in wrong.json()["message"]
+    assert http.post("/destroy_weights_update_group", json={"group_name": "rl"}).status_code == 200
+    missing = http.post("/update_weights_from_distributed", json={
+        "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]})
+    assert missing.status_code == 400 and "init" in missing.json()["message"]

@@ -1,0 +1,119 @@
+"""``tlt-serve serve ...``: start the engine process, then the HTTP server (uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from types import FrameType
+
+import uvicorn
+
+from tlt_serve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, ServerConfig
+from tlt_serve.models.provision import DEFAULT_MODEL
+from tlt_serve.server.app import build_app
+from tlt_serve.server.bridge import EngineClient, EngineStartError
+
+GRACEFUL_SHUTDOWN_S = 30  # after aborting, how long in-flight responses get to be written
+
+log = logging.getLogger("tlt_serve.cli")
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    parser = argparse.ArgumentParser(prog="tlt-serve", description="RL rollout server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over HTTP (SGLang-native + OpenAI APIs)")
+    serve.add_argument("--model", default=DEFAULT_MODEL,
+                       help="named default, HF directory, .gguf file or hub id")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    serve.add_argument("--api-key", default=os.environ.get("TLT_SERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $TLT_SERVE_API_KEY, "
+                       "which keeps the key out of the process list)")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
+    serve.add_argument("--max-num-seqs", type=int, default=CacheConfig.max_num_seqs)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    args = parser.parse_args(argv)
+    config = ServerConfig(
+        engine=EngineConfig(
+            model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+            cache=CacheConfig(max_num_seqs=args.max_num_seqs),
+            seed=args.seed,
+        ),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+    )
+    try:
+        config.validate()
+    except ConfigError as err:
+        parser.error(str(err))
+    return config
+
+
+class _Server(uvicorn.Server):
+    """uvicorn plus: a ready line once bound, and aborts on SIGTERM/SIGINT.
+
+    Aborting before uvicorn's graceful wait makes every in-flight request finish now with
+    its partial output (finish_reason abort) instead of holding shutdown until it completes.
+    """
+
+    def __init__(self, config: uvicorn.Config, client: EngineClient, model: str) -> None:
+        super().__init__(config)
+        self.client = client
+        self.model = model
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.client.closing = True  # new requests get 503 from here on
+        self.client.abort_all()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        await super().shutdown(sockets)
+        # uvicorn re-raises a caught SIGTERM/SIGINT once serving ends, which ends the process
+        # on the spot: stop the engine process cleanly before that.
+        await asyncio.to_thread(self.client.shutdown)
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        await super().startup(sockets)
+        if self.should_exit or not self.servers:
+            return
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        print(f"tlt-serve ready: http://{host}:{port} (model {self.model})", flush=True)
+
+
+def serve(config: ServerConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    client = EngineClient(config.engine, config.log_level)
+    try:
+        info = client.start()
+    except EngineStartError as err:
+        print(f"tlt-serve: {err}", file=sys.stderr)
+        return 1
+    try:
+        app = build_app(config, client)
+        uv_config = uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        _Server(uv_config, client, config.served_model_name or info.model).run()
+    finally:
+        client.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Typed messages between the HTTP front end and the engine process.
+
+Front end → engine: lists of ``AddRequest | Abort | AbortAll | Control | Shutdown`` (the
+sender thread packs whatever is queued into one pickle). Engine → front end: ``Ready`` or
+``Failed`` once at start, then ``StepBatch`` (one per engine step and per drained message
+batch that produced acknowledgements), ``Reply`` for each ``Control``, ``Fatal`` if the loop
+crashes. Everything here must pickle cheaply: plain frozen dataclasses of builtins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tlt_serve.engine.outputs import StepOutput
+from tlt_serve.sampling_params import SamplingParams
+
+# ---- front end → engine -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Abort:
+    rid: str  # a front-end rid: aborts all of its samples
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    pass
+
+
+@dataclass(frozen=True)
+class Control:
+    """An RPC applied between two engine steps; answered by exactly one ``Reply``."""
+
+    call_id: int
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Abort everything (final outputs are still sent), then exit the engine process."""
+
+
+ToEngine = AddRequest | Abort | AbortAll | Control | Shutdown
+
+# ---- engine → front end -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Static facts the front end needs to validate requests without a round trip."""
+
+    model: str  # the model argument as given
+    model_path: str  # resolved local HF directory (the front end loads its tokenizer)
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_waiting: int
+    eos_ids: tuple[int, ...]
+    weight_version: str
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The engine could not start (bad model path, out of memory...)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """``engine.add_request`` refused a request: ``kind`` is "param" or "overflow"."""
+
+    rid: str
+    kind: str
+    param: str | None
+    message: str
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_steps: int
+    decode_steps: int
+    running: int
+    waiting: int
+    max_num_seqs: int
+    batch_size: int  # sequences in the last decode batch
+    step_buckets: tuple[float, ...]
+    step_counts: tuple[int, ...]  # per bucket, non-cumulative; last entry is +Inf
+    step_sum: float
+    step_count: int
+    weight_version: str
+    paused: bool
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Everything one engine iteration produced, sent as a single message."""
+
+    outputs: list[StepOutput]
+    accepted: list[str] = field(default_factory=list)  # front-end rids now queued
+    rejected: list[Rejected] = field(default_factory=list)
+    stats: StatsSnapshot | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    call_id: int
+    ok: bool
+    payload: Any  # a dict of builtins on success, an error message on failure
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """The engine loop crashed; the process exits right after sending this."""
+
+    message: str
+
+
+FromEngine = Ready | Failed | StepBatch | Reply | Fatal

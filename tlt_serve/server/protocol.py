@@ -1,0 +1,201 @@
+"""Request/response bodies of the SGLang-native and control endpoints (msgspec Structs).
+
+Requests forbid unknown fields: a typo like ``max_new_token`` is a 400 naming it, never a
+silently ignored setting. Fields that SGLang clients send at harmless defaults are accepted
+(declared here) and rejected with a 400 at any other value (see ``inputs.require_defaults``).
+OpenAI bodies live in ``protocol_openai``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec import UNSET, Struct, UnsetType
+
+# ---- /generate ------------------------------------------------------------------------
+
+
+class SglSamplingParams(Struct, forbid_unknown_fields=True):
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+    # Accepted only at these no-op values.
+    min_new_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None
+    custom_params: dict[str, Any] | None = None
+
+
+SGL_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "min_new_tokens": (0,),
+    "frequency_penalty": (0.0,),
+    "presence_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "spaces_between_special_tokens": (True,),
+    "no_stop_trim": (False,),
+    "regex": (None,),
+    "json_schema": (None,),
+    "ebnf": (None,),
+    "logit_bias": (None, {}),
+    "custom_params": (None, {}),
+}
+
+
+class GenerateReq(Struct, forbid_unknown_fields=True):
+    text: str | list[str] | None = None
+    input_ids: list[int | list[int]] | None = None
+    sampling_params: SglSamplingParams | list[SglSamplingParams] | None = None
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+    # Accepted only at these no-op values.
+    logprob_start_len: int | list[int] = -1
+    return_hidden_states: bool = False
+    lora_path: str | None = None
+    custom_logit_processor: str | None = None
+    token_ids_logprob: list[int] | None = None
+    image_data: str | list[Any] | None = None
+    log_metrics: bool = True
+
+
+GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "logprob_start_len": (-1,),
+    "return_hidden_states": (False,),
+    "lora_path": (None,),
+    "custom_logit_processor": (None,),
+    "token_ids_logprob": (None,),
+    "image_data": (None, []),
+}
+
+
+class FinishReasonOut(Struct):
+    type: str  # stop | length | abort
+    matched: int | str | None = None
+    length: int | UnsetType = UNSET  # SGLang reports the limit for type "length"
+    message: str | UnsetType = UNSET
+
+
+# (logprob, token_id, token text or None) — SGLang's tuple layout, kept for drop-in clients.
+LogprobEntry = tuple[float, int, str | None]
+
+
+class MetaInfo(Struct):
+    id: str
+    finish_reason: FinishReasonOut | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    weight_version: str
+    weight_versions: list[str]  # every version a step of this sample ran under, in order
+    e2e_latency: float
+    output_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
+    output_top_logprobs: list[list[LogprobEntry]] | UnsetType = UNSET
+
+
+class GenerateOut(Struct):
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    index: int | UnsetType = UNSET  # position in a batch/n>1 response (streaming only)
+
+
+# ---- control ----------------------------------------------------------------------------
+
+
+class AbortReq(Struct, forbid_unknown_fields=True):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseReq(Struct, forbid_unknown_fields=True):
+    mode: str = "abort"
+
+
+class UpdateFromDiskReq(Struct, forbid_unknown_fields=True):
+    model_path: str
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    load_format: str | None = None  # only the default (safetensors) is supported
+    flush_cache: bool = True  # no prefix cache yet: nothing to flush
+
+
+class UpdateWeightVersionReq(Struct, forbid_unknown_fields=True):
+    new_version: str
+    abort_all_requests: bool = False
+
+
+class InitGroupReq(Struct, forbid_unknown_fields=True):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+
+
+class UpdateFromDistributedReq(Struct, forbid_unknown_fields=True):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True  # no prefix cache yet: nothing to flush
+    load_format: str | None = None
+
+
+class DestroyGroupReq(Struct, forbid_unknown_fields=True):
+    group_name: str = "weight_update_group"
+
+
+class WeightUpdateOut(Struct):
+    success: bool
+    message: str
+    weight_version: str
+    num_paused_requests: int = 0
+
+
+class TokenizeMessage(Struct, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class TokenizeReq(Struct, forbid_unknown_fields=True):
+    prompt: str | None = None
+    messages: list[TokenizeMessage] | None = None
+    add_special_tokens: bool = False
+    model: str | None = None
+
+
+class TokenizeOut(Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeReq(Struct, forbid_unknown_fields=True):
+    tokens: list[int]
+    skip_special_tokens: bool = False
+    model: str | None = None
+
+
+class DetokenizeOut(Struct):
+    prompt: str  # vLLM's name
+    text: str  # SGLang's name

@@ -1,0 +1,223 @@
+"""OpenAI-compatible bodies (/v1/completions, /v1/chat/completions) plus vLLM's extras.
+
+Fields the official SDK may send but this server does not implement are declared so that
+their harmless defaults pass; ``*_DEFAULT_ONLY`` lists the values accepted, anything else is
+a 400 naming the field (never silently ignored).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec import UNSET, Struct, UnsetType
+
+# ---- requests -----------------------------------------------------------------------------
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class CommonReq(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+
+
+COMMON_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0.0),
+    "presence_penalty": (None, 0.0),
+    "logit_bias": (None, {}),
+    "repetition_penalty": (None, 1.0),
+    "min_tokens": (0,),
+}
+
+
+class CompletionReq(CommonReq, kw_only=True):
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+COMPLETION_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    **COMMON_DEFAULT_ONLY,
+    "echo": (False,),
+    "suffix": (None, ""),
+}
+
+
+class TextPart(Struct, forbid_unknown_fields=True):
+    type: str
+    text: str
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(Struct, forbid_unknown_fields=True):
+    type: str
+
+
+class ChatReq(CommonReq, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+
+CHAT_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    **COMMON_DEFAULT_ONLY,
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+}
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    weight_version: str
+    object: str = "text_completion"
+    usage: Usage | None | UnsetType = UNSET
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[TokenLogprob] | None
+
+
+class ChatMessageOut(Struct):
+    role: str
+    content: str | None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    weight_version: str
+    object: str = "chat.completion"
+    usage: Usage | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatDelta(Struct):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    weight_version: str
+    object: str = "chat.completion.chunk"
+    usage: Usage | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    root: str
+    object: str = "model"
+    owned_by: str = "tlt-serve"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"

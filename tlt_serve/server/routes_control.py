@@ -1,0 +1,169 @@
+"""Health, info, abort, pause/continue, cache, tokenizer and metrics endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+import tlt_serve
+from tlt_serve.sampling_params import ParamError, SamplingParams
+from tlt_serve.server.bridge import EngineDeadError
+from tlt_serve.server.engine_proc import PAUSE_MODES
+from tlt_serve.server.errors import decode_body, error_response
+from tlt_serve.server.inputs import Job, new_rid
+from tlt_serve.server.messages import StatsSnapshot
+from tlt_serve.server.metrics import CONTENT_TYPE, render_metrics
+from tlt_serve.server.protocol import (
+    AbortReq,
+    DetokenizeOut,
+    DetokenizeReq,
+    PauseReq,
+    TokenizeOut,
+    TokenizeReq,
+)
+from tlt_serve.server.results import SampleBook, collect, submit_all
+from tlt_serve.server.state import ServerState, get_state, json_response
+
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+STATS_TIMEOUT_S = 5.0
+
+
+def control_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        client = get_state(request).client
+        if client.alive and not client.closing:
+            return json_response({"status": "ok"})
+        return error_response(503, f"engine is not running: {client.dead_reason or 'stopping'}")
+
+    @router.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        st = get_state(request)
+        if (await fresh_stats(st)).paused:
+            return json_response({"status": "ok", "paused": True})  # cannot step, still healthy
+        prompt = [min(st.info.eos_ids, default=0)]
+        job = Job(f"HEALTH_CHECK_{new_rid()}", prompt, SamplingParams(max_new_tokens=1,
+                                                                      temperature=0.0))
+        try:
+            streams = await submit_all(st.client, [job])
+            await asyncio.wait_for(collect(streams, SampleBook([job])), HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            return error_response(503, "engine did not generate a token in time")
+        return json_response({"status": "ok"})
+
+    @router.get("/get_model_info")
+    async def model_info(request: Request) -> Response:
+        st = get_state(request)
+        return json_response({
+            "model_path": st.info.model_path,
+            "tokenizer_path": st.info.model_path,
+            "is_generation": True,
+            "served_model_name": st.model_name,
+            "weight_version": st.client.weight_version,
+            "max_model_len": st.info.max_model_len,
+            "vocab_size": st.info.vocab_size,
+            "dtype": st.info.dtype,
+        })
+
+    @router.get("/get_server_info")
+    async def server_info(request: Request) -> Response:
+        st = get_state(request)
+        stats = await fresh_stats(st)
+        return json_response({
+            **_redacted_config(st),
+            "engine_info": dataclasses.asdict(st.info),
+            "stats": dataclasses.asdict(stats),
+            "weight_version": stats.weight_version,
+            "paused": stats.paused,
+            "in_flight": len(st.client.in_flight()),
+            "version": tlt_serve.__version__,
+        })
+
+    @router.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), AbortReq)
+        if req.abort_all:
+            st.client.abort_all()
+        elif req.rid:
+            st.client.abort(req.rid)
+        else:
+            raise ParamError("rid", "give a rid or abort_all: true")
+        return json_response({"success": True})
+
+    @router.post("/pause_generation")
+    async def pause(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), PauseReq)
+        if req.mode not in PAUSE_MODES:
+            raise ParamError("mode", f"must be one of {PAUSE_MODES}, got {req.mode!r}")
+        await st.client.call("pause", mode=req.mode)
+        return json_response({"status": "ok", "message": f"generation paused ({req.mode})"})
+
+    @router.post("/continue_generation")
+    async def resume(request: Request) -> Response:
+        await get_state(request).client.call("continue")
+        return json_response({"status": "ok", "message": "generation continued"})
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> Response:
+        await get_state(request).client.call("flush_cache")
+        return json_response({"success": True, "message": "Cache flushed."})
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), TokenizeReq)
+        if (req.prompt is None) == (req.messages is None):
+            raise ParamError("prompt", "give exactly one of prompt or messages")
+        if req.messages is not None:
+            msgs = [{"role": m.role, "content": m.content} for m in req.messages]
+            try:
+                ids = st.tokenizer.apply_chat_template(msgs)
+            except ValueError as err:
+                raise ParamError("messages", str(err)) from err
+        else:
+            hf = st.tokenizer.hf
+            ids = list(hf.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return json_response(TokenizeOut(ids, len(ids), st.info.max_model_len))
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), DetokenizeReq)
+        bad = next((t for t in req.tokens if not 0 <= t < st.info.vocab_size), None)
+        if bad is not None:
+            raise ParamError("tokens", f"token id {bad} outside vocabulary")
+        text = st.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)
+        return json_response(DetokenizeOut(text, text))
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        st = get_state(request)
+        try:
+            stats: StatsSnapshot | None = await fresh_stats(st)
+        except (EngineDeadError, TimeoutError):
+            stats = st.client.stats  # last known: still worth scraping
+        text = render_metrics(stats, st.client.alive, len(st.client.in_flight()), st.model_name)
+        return Response(text, media_type=CONTENT_TYPE)
+
+    return router
+
+
+async def fresh_stats(st: ServerState) -> StatsSnapshot:
+    payload = await st.client.call("stats", timeout=STATS_TIMEOUT_S)
+    stats: StatsSnapshot = payload["stats"]
+    return stats
+
+
+def _redacted_config(st: ServerState) -> dict[str, Any]:
+    cfg = dataclasses.asdict(st.config)
+    if cfg.get("api_key"):
+        cfg["api_key"] = "<set>"  # never echo the key
+    return cfg

@@ -1,0 +1,114 @@
+"""SGLang-native ``POST /generate`` (single, batch, n>1, SSE streaming)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from tlt_serve.engine.request import FinishReason
+from tlt_serve.sampling_params import SamplingParams
+from tlt_serve.server.bridge import EngineDeadError
+from tlt_serve.server.errors import decode_body, error_body
+from tlt_serve.server.inputs import generate_jobs
+from tlt_serve.server.protocol import FinishReasonOut, GenerateOut, GenerateReq, MetaInfo
+from tlt_serve.server.results import (
+    ClientGone,
+    SampleBook,
+    collect,
+    merged,
+    submit_all,
+    token_texts,
+    until_disconnected,
+)
+from tlt_serve.server.state import ServerState, get_state, json_response
+from tlt_serve.server.streams import RequestStream
+
+
+def generate_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), GenerateReq)
+        jobs, single = generate_jobs(req, st.tokenizer, st.info)
+        streams = await submit_all(st.client, jobs)
+        book = SampleBook(jobs)
+        fmt = _Formatter(st, req)
+        if req.stream:
+            return StreamingResponse(_sse(streams, book, fmt), media_type="text/event-stream")
+        try:
+            await until_disconnected(request, collect(streams, book))
+        except ClientGone:
+            return Response(status_code=499)
+        outs = [fmt.output(book, k) for k in range(len(book.samples))]
+        return json_response(outs[0] if single else outs)
+
+    return router
+
+
+async def _sse(
+    streams: list[RequestStream], book: SampleBook, fmt: _Formatter
+) -> AsyncIterator[bytes]:
+    """SGLang's default stream: each event carries the sample's cumulative text/ids/meta_info."""
+    indexed = len(book.samples) > 1
+    try:
+        async for outs in merged(streams):
+            for k in book.absorb(outs):
+                out = fmt.output(book, k)
+                if indexed:
+                    out.index = k
+                yield b"data: " + msgspec.json.encode(out) + b"\n\n"
+    except EngineDeadError as err:
+        yield b"data: " + error_body(503, str(err)) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+class _Formatter:
+    def __init__(self, st: ServerState, req: GenerateReq) -> None:
+        self.st = st
+        self.text_in_logprobs = req.return_text_in_logprobs
+
+    def output(self, book: SampleBook, k: int) -> GenerateOut:
+        r, params = book.samples[k], book.job(k).params
+        meta = MetaInfo(
+            id=r.rid,
+            finish_reason=finish_out(r.finish, params),
+            prompt_tokens=len(r.prompt_ids),
+            completion_tokens=len(r.token_ids),
+            cached_tokens=r.cached_tokens,
+            weight_version=r.weight_version,
+            weight_versions=r.weight_versions,  # encoded before the next output mutates it
+            e2e_latency=book.elapsed(),
+        )
+        if params.logprobs:
+            texts = self._texts(r.token_ids)
+            meta.output_token_logprobs = [
+                (lp, t, s) for lp, t, s in zip(r.logprobs, r.token_ids, texts, strict=True)
+            ]
+            if params.top_logprobs:
+                meta.output_top_logprobs = [self._top(pos) for pos in r.top_logprobs]
+        return GenerateOut(text=r.text, output_ids=r.token_ids, meta_info=meta)
+
+    def _texts(self, ids: list[int]) -> list[str | None]:
+        if not self.text_in_logprobs:
+            return [None] * len(ids)
+        return list(token_texts(self.st.tokenizer, ids))
+
+    def _top(self, pos: list[tuple[int, float]]) -> list[tuple[float, int, str | None]]:
+        ids = [t for t, _ in pos]
+        texts = self._texts(ids)
+        return [(lp, t, s) for (t, lp), s in zip(pos, texts, strict=True)]
+
+
+def finish_out(fin: FinishReason | None, params: SamplingParams) -> FinishReasonOut | None:
+    if fin is None:
+        return None
+    if fin.type == "length":
+        return FinishReasonOut("length", None, length=params.max_new_tokens)
+    if fin.type == "abort":
+        return FinishReasonOut("abort", None, message="request aborted")
+    return FinishReasonOut(fin.type, fin.matched)

@@ -1,0 +1,136 @@
+"""Weight versions and weight updates (from disk, uploaded safetensors bytes, a gloo group).
+
+Updates are applied by the engine process between two steps: in-flight requests keep
+running and report, per sample, every weight version their steps ran under.
+Responses use SGLang's shape ``{success, message, weight_version}`` (400 when not applied).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
+
+from tlt_serve.engine.weight_sync import DIST_DTYPES
+from tlt_serve.sampling_params import ParamError
+from tlt_serve.server.bridge import ControlFailed
+from tlt_serve.server.errors import decode_body
+from tlt_serve.server.protocol import (
+    DestroyGroupReq,
+    InitGroupReq,
+    UpdateFromDiskReq,
+    UpdateFromDistributedReq,
+    UpdateWeightVersionReq,
+    WeightUpdateOut,
+)
+from tlt_serve.server.state import ServerState, get_state, json_response
+
+
+def weight_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/get_weight_version")
+    async def get_version(request: Request) -> Response:
+        st = get_state(request)
+        payload = await st.client.call("info")
+        return json_response({"weight_version": payload["info"].weight_version})
+
+    @router.post("/update_weight_version")
+    async def set_version(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), UpdateWeightVersionReq)
+        if not req.new_version:
+            raise ParamError("new_version", "must be non-empty")
+        return await _apply(st, "update_weight_version", new_version=req.new_version,
+                            abort_all=req.abort_all_requests)
+
+    @router.post("/update_weights_from_disk")
+    async def from_disk(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), UpdateFromDiskReq)
+        if req.load_format not in (None, "auto", "safetensors"):
+            raise ParamError("load_format", "only safetensors checkpoints are supported")
+        return await _apply(st, "update_weights_from_disk", model_path=req.model_path,
+                            weight_version=req.weight_version, abort_all=req.abort_all_requests)
+
+    @router.post("/update_weights_from_tensor")
+    async def from_tensor(
+        request: Request,
+        chunk: int = 0,
+        num_chunks: int = 1,
+        upload_id: str = "default",
+        weight_version: str | None = None,
+    ) -> Response:
+        st = get_state(request)
+        path = st.uploads.begin_chunk(upload_id, chunk, num_chunks)
+        try:
+            with path.open("ab") as f:
+                async for piece in request.stream():
+                    f.write(piece)
+        except ClientDisconnect:
+            st.uploads.discard(upload_id)
+            return Response(status_code=499)
+        done = st.uploads.end_chunk(upload_id)
+        if done is None:
+            msg = f"chunk {chunk + 1}/{num_chunks} received"
+            return json_response(WeightUpdateOut(True, msg, st.client.weight_version))
+        try:
+            return await _apply(st, "update_weights_from_file", path=str(done),
+                                weight_version=weight_version)
+        finally:
+            done.unlink(missing_ok=True)
+
+    @router.post("/init_weights_update_group")
+    async def init_group(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), InitGroupReq)
+        if req.backend not in ("gloo", "nccl"):
+            raise ParamError("backend", f"must be gloo or nccl, got {req.backend!r}")
+        if not 0 < req.rank_offset < req.world_size:
+            raise ParamError("rank_offset", "must be in [1, world_size): the trainer is rank 0")
+        if not 0 < req.master_port < 65536:
+            raise ParamError("master_port", f"must be in [1, 65535], got {req.master_port}")
+        return await _apply(st, "init_weights_update_group", master_address=req.master_address,
+                            master_port=req.master_port, rank_offset=req.rank_offset,
+                            world_size=req.world_size, backend=req.backend,
+                            group_name=req.group_name)
+
+    @router.post("/update_weights_from_distributed")
+    async def from_distributed(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), UpdateFromDistributedReq)
+        # Checked here: once the engine starts receiving, it blocks until rank 0 sends.
+        if not req.names or not len(req.names) == len(req.dtypes) == len(req.shapes):
+            raise ParamError("names", "names, dtypes and shapes must be non-empty, same length")
+        dtypes = [d.removeprefix("torch.") for d in req.dtypes]
+        bad = next((d for d in dtypes if d not in DIST_DTYPES), None)
+        if bad is not None:
+            raise ParamError("dtypes", f"{bad!r} is not one of {sorted(DIST_DTYPES)}")
+        if any(d < 0 for shape in req.shapes for d in shape):
+            raise ParamError("shapes", "dimensions must be >= 0")
+        if req.load_format is not None:
+            raise ParamError("load_format", "not supported")
+        return await _apply(st, "update_weights_from_distributed", names=req.names,
+                            dtypes=dtypes, shapes=req.shapes, group_name=req.group_name,
+                            weight_version=req.weight_version,
+                            abort_all=req.abort_all_requests)
+
+    @router.post("/destroy_weights_update_group")
+    async def destroy_group(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), DestroyGroupReq)
+        return await _apply(st, "destroy_weights_update_group", group_name=req.group_name)
+
+    return router
+
+
+async def _apply(st: ServerState, name: str, **kwargs: Any) -> Response:
+    try:
+        payload = await st.client.call(name, **kwargs)
+    except ControlFailed as err:
+        version = str(err.payload.get("weight_version", st.client.weight_version))
+        return json_response(WeightUpdateOut(False, str(err), version), status=400)
+    message = str(payload.get("message", "ok"))
+    return json_response(WeightUpdateOut(True, message, str(payload["weight_version"])))
