@@ -14,7 +14,7 @@ from tlt_serve.models.loader import WeightError, build_model, iter_safetensors, 
 def fb(kv: KVCache, pos: torch.Tensor, mask: torch.Tensor) -> ForwardBatch:
     """Batch over rows 0..B-1 writing each token at its position."""
     index = flat_write_index(0, pos, kv.storage.shape[3], kv.storage.shape[4])
-    return ForwardBatch(0, pos, index, mask)
+    return ForwardBatch(0, pos, index, mask, int(mask.shape[-1]))
 
 
 def _causal(batch: int, q: int) -> torch.Tensor:

@@ -49,22 +49,30 @@ class ModelRunner:
         # Causal within the prompt; keys past a prompt's end are padding. Padding queries
         # still see the real keys, so no softmax row is empty.
         mask = (cols <= cols.T).unsqueeze(0) & real.unsqueeze(1)  # [B, Q, Q]
-        fb = self._batch(batch.forward[0].row, positions, write_pos, mask.unsqueeze(1))
+        fb = self._batch(batch.forward[0].row, positions, write_pos, mask.unsqueeze(1), Q)
         return fb, ids.to(self.device), (lens - 1).to(self.device)
 
     def _decode(self, batch: ScheduledBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
         pos = torch.tensor([r.num_tokens - 1 for r in batch.forward])  # [B]
         ids = torch.tensor([r.last_token for r in batch.forward]).unsqueeze(1)  # [B, 1]
         kv_len = int(pos.max()) + 1
-        mask = torch.arange(kv_len).unsqueeze(0) <= pos.unsqueeze(1)  # [B, Kv]
+        mask = None
+        if int(pos.min()) + 1 != kv_len:  # unequal lengths: hide each row's future columns
+            mask = (torch.arange(kv_len).unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
         positions = pos.unsqueeze(1)  # [B, 1]
-        fb = self._batch(batch.forward[0].row, positions, positions, mask[:, None, None, :])
+        fb = self._batch(batch.forward[0].row, positions, positions, mask, kv_len)
         return fb, ids.to(self.device), torch.zeros_like(pos).to(self.device)
 
     def _batch(
-        self, row_lo: int, positions: torch.Tensor, write_pos: torch.Tensor, mask: torch.Tensor
+        self,
+        row_lo: int,
+        positions: torch.Tensor,
+        write_pos: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv_len: int,
     ) -> ForwardBatch:
         kv_heads, row_len = self.kv.storage.shape[3], self.kv.storage.shape[4]
         index = flat_write_index(row_lo, write_pos, kv_heads, row_len)
         d = self.device
-        return ForwardBatch(row_lo, positions.to(d), index.to(d), mask.to(d))
+        mask = None if mask is None else mask.to(d)
+        return ForwardBatch(row_lo, positions.to(d), index.to(d), mask, kv_len)

@@ -21,21 +21,21 @@ class ForwardBatch:
       entries. One ``index_copy_`` per layer writes the step's K/V (advanced-index
       assignment was several times slower on CPU).
     - ``mask`` [B, 1, Q, Kv] bool: True where query may attend key column; every row has at
-      least one True (padding rows attend column 0) so softmax never sees an empty row.
+      least one True so softmax never sees an empty row. None: every query attends all
+      ``kv_len`` columns (a decode batch whose sequences have equal length, e.g. batch 1),
+      which lets attention skip the mask.
+    - ``kv_len``: key columns ``[0, Kv)`` attention reads.
     """
 
     row_lo: int
     positions: torch.Tensor
     write_index: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
+    kv_len: int
 
     @property
     def batch_size(self) -> int:
         return int(self.positions.shape[0])
-
-    @property
-    def kv_len(self) -> int:
-        return int(self.mask.shape[-1])
 
 
 def flat_write_index(

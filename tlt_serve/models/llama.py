@@ -57,8 +57,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same order as HF: normalise in fp32, cast back, then scale.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # One fused op (accumulates in fp32 for bf16 input); at batch 1 a step is dominated
+        # by per-op overhead, and HF's four-op form (upcast, norm, downcast, scale) costs more.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -79,14 +80,14 @@ class Attention(nn.Module):
         cfg = self.cfg
         B, Q, _ = x.shape
         D, kvH, G = cfg.head_dim, cfg.num_kv_heads, self.group
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(B, Q, kvH * G, D)
-        k = k.view(B, Q, kvH, D)
+        qk, v = self.qkv_proj(x).split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        qk = qk.view(B, Q, kvH * G + kvH, D)  # q heads then k heads
         v = v.view(B, Q, kvH, D)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = qk.split([kvH * G, kvH], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         cos, sin = rope  # [B, Q, 1, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(qk, cos, sin).split([kvH * G, kvH], dim=2)  # one rotation for both
 
         k_cache, v_cache = kv  # [S, kvH, L+1, D]
         # Write this step's K/V: [B, Q, kvH, D] → [B, kvH, Q, D] rows of the flat cache.
@@ -97,11 +98,16 @@ class Attention(nn.Module):
         values = v_cache[rows, :, : batch.kv_len]
 
         # Fold the G query heads of each KV head into the length axis: [B, kvH, G*Q, D].
-        q = q.view(B, Q, kvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, kvH, G * Q, D)
-        mask = batch.mask  # [B, 1, Q, Kv]
-        if G > 1:
-            mask = mask.unsqueeze(2).expand(B, 1, G, Q, batch.kv_len).reshape(B, 1, G * Q, -1)
+        mask = batch.mask  # [B, 1, Q, Kv] or None (every query sees all Kv keys)
+        if Q == 1:  # decode: [B, 1, H, D] is already [B, kvH, G, D]; the mask broadcasts
+            q = q.reshape(B, kvH, G, D)
+        else:
+            q = q.reshape(B, Q, kvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, kvH, G * Q, D)
+            if mask is not None and G > 1:
+                mask = mask.unsqueeze(2).expand(B, 1, G, Q, batch.kv_len).reshape(B, 1, G * Q, -1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        if Q == 1:
+            return self.o_proj(out.reshape(B, 1, cfg.q_size))
         out = out.view(B, kvH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, cfg.q_size)
         return self.o_proj(out)
 
