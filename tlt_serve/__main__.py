@@ -1,0 +1,8 @@
+"""``python -m tlt_serve serve ...``: the same CLI as the ``tlt-serve`` console script."""
+
+import sys
+
+from tlt_serve.server.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
