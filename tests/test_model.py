@@ -37,9 +37,7 @@ def test_logits_match_hf_prefill_and_decode(tiny_model_factory, model_type: str)
 
     nxt = torch.tensor([[5], [6], [7]])
     step = torch.full((3, 1), 9)
-    out = ours(
-        nxt, fb(kv, step, torch.ones(3, 1, 1, 10, dtype=torch.bool)), kv.layers
-    )
+    out = ours(nxt, fb(kv, step, torch.ones(3, 1, 1, 10, dtype=torch.bool)), kv.layers)
     with torch.no_grad():
         ref = hf(torch.cat([ids, nxt], dim=1)).logits[:, -1]
     torch.testing.assert_close(ours.logits(out.hidden[:, 0]), ref, atol=1e-4, rtol=1e-4)
@@ -125,3 +123,36 @@ def test_fp32_batch_copies_track_weight_updates(tiny_model_dir, tiny_model_facto
     assert batched.dtype == torch.bfloat16
     single = model.logits(x[:1])  # M == 1: the bf16 kernel
     torch.testing.assert_close(single, model.logits(x)[:1], atol=0.1, rtol=0.02)
+
+
+def test_bf16_matvec_kernel_matches_fp32_product() -> None:
+    from tlt_serve.kernels import bf16_matvec
+
+    matvec = bf16_matvec()
+    if matvec is None:
+        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(1, 8), (7, 13), (3072, 576), (576, 1536)]:  # odd sizes hit the scalar tail
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(k, generator=g)
+        ref = w.float() @ x
+        torch.testing.assert_close(matvec(w, x), ref, atol=1e-4 * k**0.5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="columns"):
+        matvec(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(7))
+
+
+def test_bf16_model_with_kernels_tracks_fp32(tiny_model_dir) -> None:
+    fp32 = build_model(tiny_model_dir, torch.float32, 64)
+    bf16 = build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    outs = []
+    for m, dt in ((fp32, torch.float32), (bf16, torch.bfloat16)):
+        kv = KVCache(m.cfg, rows=1, max_len=8, dtype=dt)
+        pos = torch.arange(4).unsqueeze(0)
+        m(ids, fb(kv, pos, _causal(1, 4)), kv.layers)  # prefill (batched path)
+        step = torch.tensor([[4]])
+        out = m(
+            torch.tensor([[7]]), fb(kv, step, torch.ones(1, 1, 1, 5, dtype=torch.bool)), kv.layers
+        )
+        outs.append(m.logits(out.hidden[:, 0]))  # single row: the matvec path when built
+    assert (outs[0] - outs[1]).abs().max() < 0.5

@@ -8,7 +8,7 @@ share a KV head are folded into the query-length axis.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,7 @@ from tlt_serve.models.batch import ForwardBatch
 from tlt_serve.models.rope import apply_rope, cos_sin_table
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # K, V, each [S, kvH, L+1, D]
+MatVec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Linear(nn.Linear):
@@ -37,9 +38,15 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
         self.register_buffer("weight_f32", None, persistent=False)
+        self.matvec: MatVec | None = None  # own bf16 matrix-vector kernel (one row only)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         out_dtype = out_dtype or x.dtype
+        if self.matvec is not None and x.numel() == x.shape[-1]:
+            y = self.matvec(self.weight, x.reshape(-1).float())  # [N] fp32
+            if self.bias is not None:
+                y = y + self.bias.float()
+            return y.view(*x.shape[:-1], -1).to(out_dtype)
         if self.weight_f32 is not None and x.numel() > x.shape[-1]:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight_f32, bias).to(out_dtype)
@@ -182,6 +189,12 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] → logits [N, V] in fp32."""
         return self.lm_head(hidden, out_dtype=torch.float32)
+
+    def set_matvec_kernel(self, matvec: MatVec | None) -> None:
+        """Use ``matvec`` (bf16 weight × fp32 vector → fp32) for single-row products."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matvec = matvec
 
     def set_fp32_batch_matmul(self, enabled: bool) -> None:
         """Keep fp32 copies of all projection weights for M > 1 products (see ``Linear``).

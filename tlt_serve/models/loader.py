@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tlt_serve.kernels import bf16_matvec
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.llama import LlamaModel
 from tlt_serve.models.rope import cos_sin_table
@@ -133,9 +134,17 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(
-    path: str | Path, dtype: torch.dtype, max_positions: int, device: str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype,
+    max_positions: int,
+    device: str = "cpu",
+    cpu_kernels: bool = True,
 ) -> LlamaModel:
-    """Instantiate the model of an HF directory and load all of its weights."""
+    """Instantiate the model of an HF directory and load all of its weights.
+
+    bf16 on CPU: batched products run in fp32 where the CPU lacks bf16 GEMM, and single-row
+    products use the own AVX2 kernel when ``cpu_kernels`` and it builds (see ``Linear``).
+    """
     cfg = ArchConfig.from_dir(path)
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions)
@@ -146,12 +155,13 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, iter_safetensors(path), require_all=True)
-    model.set_fp32_batch_matmul(needs_fp32_batch_matmul(dtype, device))
+    cpu_bf16 = dtype == torch.bfloat16 and device.startswith("cpu")
+    model.set_fp32_batch_matmul(cpu_bf16 and not native_bf16_gemm())
+    if cpu_bf16 and cpu_kernels:
+        model.set_matvec_kernel(bf16_matvec())
     return model.eval().requires_grad_(False)
 
 
-def needs_fp32_batch_matmul(dtype: torch.dtype, device: str) -> bool:
-    """bf16 on a CPU without native bf16 GEMM (no AVX512-BF16 / AMX): see ``Linear``."""
-    if dtype != torch.bfloat16 or not device.startswith("cpu"):
-        return False
-    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def native_bf16_gemm() -> bool:
+    """Whether this CPU has bf16 GEMM units torch uses (AVX512-BF16 / AMX); see ``Linear``."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -1,0 +1,42 @@
+"""Optional CPU kernels, compiled on first use with the machine's C++ compiler.
+
+``bf16_matvec()`` returns the AVX2 bf16 matrix-vector product from ``bf16_gemv.cpp`` or None
+when it cannot be had (no AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``);
+callers then use torch's own kernels, so nothing depends on it for correctness. The build
+(~40 s) is cached by torch in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tlt_serve.kernels")
+MatVec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@cache  # one build per process; the compiled module is process-wide by nature
+def bf16_matvec() -> MatVec | None:
+    if os.environ.get("TLT_SERVE_NO_KERNELS") == "1":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        log.info("building the bf16 matrix-vector kernel (first use on this machine, ~40 s)")
+        module = load(
+            name="tlt_serve_bf16_gemv",
+            sources=[str(Path(__file__).with_name("bf16_gemv.cpp"))],
+            extra_cflags=["-O3", "-mavx2", "-mfma"],
+            verbose=False,
+        )
+    except Exception as err:  # any build problem: fall back to torch's kernels, loudly
+        log.warning("bf16 matrix-vector kernel unavailable, using torch's: %s", err)
+        return None
+    return module.gemv_bf16  # type: ignore[no-any-return]
