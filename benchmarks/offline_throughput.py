@@ -92,7 +92,31 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    png = plot(result, Path(args.out).with_suffix(".png"))
+    print(f"wrote {args.out} and {png}")
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Grouped bars: tok/s of tlt-serve and HF per batch size, ratio on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([x - 0.2 for x in xs], [r["tlt_tok_s"] for r in rows], 0.4, label="tlt-serve")
+    ax.bar([x + 0.2 for x in xs], [r["hf_tok_s"] for r in rows], 0.4, label="HF generate")
+    for x, r in zip(xs, rows, strict=True):
+        ax.text(x - 0.2, r["tlt_tok_s"], f"x{r['ratio']:.2f}", ha="center", va="bottom")
+    ax.set_xticks(list(xs), [f"batch {r['batch']}" for r in rows])
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"{result['model']} {result['dtype']}, {result['new_tokens']} new tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
 
 
 if __name__ == "__main__":
