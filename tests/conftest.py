@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from tests.test_server_harness import Served, serve
 from tests.tiny import make_tiny_model
 
 
@@ -25,3 +28,19 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[Served]:
+    """A real server (engine process + uvicorn) on the tiny model, once per test module.
+
+    Modules that need other settings (API key, fewer rows) define their own."""
+    s = serve(tiny_model_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def http(served: Served) -> Iterator[httpx.Client]:
+    with served.http() as client:
+        yield client

@@ -10,16 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_server_harness import Served, engine_counts, serve, sse_events, wait_for
+from tests.test_server_harness import Served, engine_counts, sse_events, wait_for
 
 LONG = {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def served(tiny_model_dir) -> Iterator[Served]:
-    s = serve(tiny_model_dir)
-    yield s
-    s.stop()
 
 
 @pytest.fixture

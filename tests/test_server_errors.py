@@ -23,12 +23,6 @@ def served(tiny_model_dir) -> Iterator[Served]:
     s.stop()
 
 
-@pytest.fixture
-def http(served: Served) -> Iterator[httpx.Client]:
-    with served.http() as client:
-        yield client
-
-
 def assert_error(resp: httpx.Response, status: int, param: str | None) -> None:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]

@@ -4,33 +4,19 @@ batching, n>1, streaming, logprobs, seeds, stops, and the generic endpoints."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.test_server_harness import MAX_MODEL_LEN, Served, serve, sse_events
+from tests.test_server_harness import MAX_MODEL_LEN, sse_events
 from tlt_serve import LLM, SamplingParams
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?"]
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir) -> Iterator[Served]:
-    s = serve(tiny_model_dir)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def llm(tiny_model_dir) -> LLM:
     return LLM(str(tiny_model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture
-def http(served: Served) -> Iterator[httpx.Client]:
-    with served.http() as client:
-        yield client
 
 
 def greedy(max_new_tokens: int = 16, **kw) -> dict:

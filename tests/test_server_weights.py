@@ -13,19 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from tests.test_server_harness import MAX_MODEL_LEN, Served, engine_counts, serve, wait_for
+from tests.test_server_harness import MAX_MODEL_LEN, Served, engine_counts, wait_for
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.engine.weight_sync import WeightSyncGroup, specs_of
 
 PROMPT = [5, 17, 42, 99]
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def served(tiny_model_dir) -> Iterator[Served]:
-    s = serve(tiny_model_dir)
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")
