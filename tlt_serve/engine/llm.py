@@ -29,9 +29,10 @@ class LLM:
         self, model: str | None = None, config: EngineConfig | None = None, **model_kw: Any
     ):
         config = config or EngineConfig()
-        if model is not None or model_kw:
-            fields = {"model": model} if model is not None else {}
-            config = replace(config, model=replace(config.model, **fields, **model_kw))
+        if model is not None:
+            model_kw["model"] = model
+        if model_kw:
+            config = replace(config, model=replace(config.model, **model_kw))
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
 
@@ -46,9 +47,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[GenerateResult]:
         """Run all prompts to completion in one continuous batch; results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in _as_list(prompts)]
         plist = _per_prompt(params, len(ids))
         results: dict[str, RequestResult] = {}
         order: list[list[str]] = []
@@ -72,6 +71,15 @@ class LLM:
     ) -> list[GenerateResult]:
         prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params)
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or a sequence of them → a list of prompts."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]  # a single list[int] prompt
+    return list(prompts)  # type: ignore[arg-type]
 
 
 def _per_prompt(

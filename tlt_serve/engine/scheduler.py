@@ -121,7 +121,8 @@ class Scheduler:
             req.row = base + i
             self.running[base + i] = req
         row_of_group = {r.group: r.row for r in forward if r.group is not None}
-        return [(row_of_group[r.group], r.row, len(r.prompt_ids)) for r in siblings]
+        # Siblings always have a group (that is how they became siblings).
+        return [(row_of_group[str(r.group)], r.row, len(r.prompt_ids)) for r in siblings]
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         if not self.running:

@@ -81,9 +81,9 @@ def _make_group(
     backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta
 ) -> dist.ProcessGroup:
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)  # type: ignore[return-value]
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)  # type: ignore[return-value]
     raise ValueError(f"backend: {backend!r} is not gloo or nccl")

@@ -177,11 +177,12 @@ class LlamaModel(nn.Module):
     ) -> ModelOutput:
         """input_ids [B, Q] → hidden [B, Q, H]; writes the new K/V of every layer."""
         x = self.embed_tokens(input_ids)  # [B, Q, H]
-        cs = self.rope_table[batch.positions].to(x.dtype)  # [B, Q, 2, D]
+        table: torch.Tensor = self.rope_table  # type: ignore[assignment]  # a registered buffer
+        cs = table[batch.positions].to(x.dtype)  # [B, Q, 2, D]
         rope = (cs[:, :, 0:1], cs[:, :, 1:2])  # each [B, Q, 1, D]
         aux = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, batch, kv_layers[i])
+            x = layer(x, rope, batch, kv_layers[i])  # type: ignore[operator]
             if i in aux_layers:
                 aux.append(x)
         return ModelOutput(hidden=self.norm(x), aux=tuple(aux))

@@ -113,9 +113,9 @@ def load_weights(
         if missing:
             raise WeightError(f"checkpoint is missing weights for {missing[:5]}")
     with torch.no_grad():
-        for param, slot, tensor in plan:
-            dst = param if slot.stop is None else param[slot.start : slot.stop]
-            dst.copy_(tensor.to(param.dtype))
+        for target, slot, tensor in plan:
+            dst = target if slot.stop is None else target[slot.start : slot.stop]
+            dst.copy_(tensor.to(target.dtype))
     if plan and model.fp32_batch_matmul:
         model.set_fp32_batch_matmul(True)  # refresh the fp32 copies from the new weights
     return len(plan)
