@@ -1,0 +1,208 @@
+"""Lossless verification of chain drafts, batched over requests.
+
+Row b carries ``num_drafts[b] = n`` draft tokens d_0..d_{n-1}; the target scored the K+1
+positions of the chain in one forward, position j holding the target's logits for the token
+after d_0..d_{j-1} (position 0: after the last committed token). Rows are independent.
+
+Greedy rows (temperature 0): accept the longest prefix with d_j == argmax(logits_j), then emit
+argmax at the first mismatch (or at position n, the bonus). Output == plain greedy decoding.
+
+Sampled rows: speculative (rejection) sampling, Leviathan et al. 2023 / Chen et al. 2023. With
+p_j the target distribution AFTER the row's temperature and top-k / top-p / min-p filters (the
+engine sampler's own ``_apply_filters``) and q_j the distribution d_j was drawn from:
+  accept d_j with probability min(1, p_j(d_j) / q_j(d_j));
+  at the first rejection emit a token from norm(max(0, p_j - q_j)) and stop;
+  if all n are accepted emit the bonus token from p_n.
+Why lossless: P(emit x at j) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) *
+max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y)) = min(p, q)(x) + max(0, p - q)(x) = p(x), since
+both normalisers equal the total-variation distance. Deterministic drafts (n-gram) are q = one-hot:
+accept with probability p(d); on rejection sample from p with d removed.
+
+Randomness: one U[0,1) per real draft (acceptance coin) plus one for the emitted correction or
+bonus token, drawn by inverse CDF exactly like the sampler. A row with its own generator draws
+its n + 1 uniforms from it, so its tokens do not depend on the batch (not even on the batch's K);
+other sampled rows share one generator. Greedy rows draw nothing.
+
+Reported logprobs follow the sampler: log_softmax(logits / T) at the token's position (raw
+logits, T = 1, when greedy), before top-k / top-p / min-p truncation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tlt_serve.engine.sampler import _apply_filters
+from tlt_serve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, eq=False)  # tensors: identity, not element-wise, equality
+class ChainDrafts:
+    """One verify step's inputs for B requests with up to K chain drafts each.
+
+    ``draft_probs`` is the distribution each draft token was actually drawn from (after the
+    drafter's own temperature / filters); ``None`` means deterministic drafts (q one-hot).
+    Entries after ``num_drafts[b]`` (tokens, probabilities, logits beyond position n) are
+    padding and ignored. ``params[b]`` supplies temperature, top-k, top-p, min-p and greedy.
+    """
+
+    target_logits: torch.Tensor  # [B, K+1, V] fp32
+    draft_tokens: torch.Tensor  # [B, K] long
+    num_drafts: torch.Tensor  # [B] long, each in 0..K
+    params: tuple[SamplingParams, ...]  # [B]
+    draft_probs: torch.Tensor | None = None  # [B, K, V] or None
+
+    def __post_init__(self) -> None:
+        B, K1, V = self.target_logits.shape
+        if tuple(self.draft_tokens.shape) != (B, K1 - 1):
+            raise ValueError(f"draft_tokens {tuple(self.draft_tokens.shape)} != {(B, K1 - 1)}")
+        if tuple(self.num_drafts.shape) != (B,) or len(self.params) != B:
+            raise ValueError("num_drafts and params need one entry per row")
+        if B and (int(self.num_drafts.min()) < 0 or int(self.num_drafts.max()) >= K1):
+            raise ValueError(f"num_drafts must lie in 0..{K1 - 1}")
+        q = self.draft_probs
+        if q is not None and tuple(q.shape) != (B, K1 - 1, V):
+            raise ValueError(f"draft_probs {tuple(q.shape)} != {(B, K1 - 1, V)}")
+
+
+@dataclass(frozen=True)
+class ChainVerdict:
+    """What the target accepted, per row. Nothing was mutated.
+
+    ``num_accepted[b]`` counts accepted DRAFT tokens only: it EXCLUDES the correction / bonus
+    token, so ``len(token_ids[b]) == num_accepted[b] + 1`` always (the step commits
+    ``num_accepted + 1`` tokens). ``token_ids[b]`` = accepted drafts then the correction (first
+    rejection) or bonus (all accepted) token; ``logprobs[b][i]`` is the target logprob of
+    ``token_ids[b][i]`` at position i. Tokens after a stop token are the caller's to drop.
+    """
+
+    num_accepted: list[int]  # [B]
+    token_ids: list[list[int]]  # [B][num_accepted + 1]
+    logprobs: list[list[float]]  # [B][num_accepted + 1]
+
+
+def verify_chain(
+    drafts: ChainDrafts,
+    generators: Sequence[torch.Generator | None] | None = None,
+    shared: torch.Generator | None = None,
+) -> ChainVerdict:
+    """Accept a prefix of each row's drafts; see the module docstring for the rule.
+
+    ``generators[b]`` (optional) is row b's own generator (a seeded request); rows without one
+    draw from ``shared`` (torch's default generator when None). Only generator state advances.
+    """
+    logits, params = drafts.target_logits, drafts.params
+    B, K1, V = logits.shape
+    K = K1 - 1
+    greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)  # [B]
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])  # [B]
+    scaled = logits / temps.view(B, 1, 1)  # [B, K+1, V]
+    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, K+1, V]
+    valid = torch.arange(K).unsqueeze(0) < drafts.num_drafts.unsqueeze(1)  # [B, K]
+    d = torch.where(valid, drafts.draft_tokens, 0)  # [B, K] padding -> a safe index
+    argmax = logits.argmax(dim=-1)  # [B, K+1]
+
+    ok = d == argmax[:, :K]  # [B, K] the greedy rule; sampled rows are overwritten below
+    sampled = ~greedy
+    p: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    if bool(sampled.any()):
+        p = _filtered_probs(scaled, params)  # [B, K+1, V] fp64
+        u = _uniforms(drafts.num_drafts, sampled, generators, shared, K)  # [B, K+1] fp64
+        p_d = p[:, :K].gather(2, d.unsqueeze(2)).squeeze(2)  # [B, K]
+        q = drafts.draft_probs
+        q_d = torch.ones_like(p_d) if q is None else q.double().gather(2, d.unsqueeze(2)).squeeze(2)
+        # u < p/q written as u*q < p: no division, and p(d) = 0 (filtered out) never passes.
+        ok = torch.where(sampled.unsqueeze(1), u[:, :K] * q_d < p_d, ok)
+    ok &= valid
+    num_acc = ok.long().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
+    final = argmax.gather(1, num_acc.unsqueeze(1)).squeeze(1)  # [B] greedy correction / bonus
+    if p is not None and u is not None:
+        final = torch.where(sampled, _correction(drafts, d, p, num_acc, u[:, K]), final)
+
+    emitted = torch.cat([d, final.new_zeros(B, 1)], dim=1)  # [B, K+1]
+    emitted.scatter_(1, num_acc.unsqueeze(1), final.unsqueeze(1))
+    chosen = logprobs.gather(2, emitted.unsqueeze(2)).squeeze(2)  # [B, K+1]
+    counts = num_acc.tolist()
+    toks, lps = emitted.tolist(), chosen.tolist()
+    return ChainVerdict(
+        num_accepted=counts,
+        token_ids=[row[: n + 1] for row, n in zip(toks, counts, strict=True)],
+        logprobs=[row[: n + 1] for row, n in zip(lps, counts, strict=True)],
+    )
+
+
+def _filtered_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """p after each row's filters, per position: [B, K+1, V] -> [B, K+1, V] fp64."""
+    B, K1, V = scaled.shape
+    per_pos = [p for p in params for _ in range(K1)]  # row-major, matches reshape below
+    filtered = _apply_filters(scaled.reshape(B * K1, V), per_pos)  # [B*(K+1), V]
+    return torch.softmax(filtered.double(), dim=-1).view(B, K1, V)
+
+
+def _uniforms(
+    num_drafts: torch.Tensor,
+    sampled: torch.Tensor,
+    generators: Sequence[torch.Generator | None] | None,
+    shared: torch.Generator | None,
+    K: int,
+) -> torch.Tensor:
+    """U[0,1) [B, K+1] fp64: columns 0..n-1 are acceptance coins, column K the final draw.
+
+    Rows with their own generator draw exactly n + 1 values from it (batch-independent);
+    the rest come from one draw on ``shared``. Greedy rows keep the shared values, unused.
+    """
+    u = torch.rand(num_drafts.shape[0], K + 1, generator=shared, dtype=torch.float64)
+    if generators is None:
+        return u
+    for b, gen in enumerate(generators):
+        if gen is None or not bool(sampled[b]):
+            continue
+        n = int(num_drafts[b])
+        own = torch.rand(n + 1, generator=gen, dtype=torch.float64)
+        u[b, :n] = own[:n]
+        u[b, K] = own[n]
+    return u
+
+
+def _correction(
+    drafts: ChainDrafts, d: torch.Tensor, p: torch.Tensor, num_acc: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """The token emitted after the accepted prefix, for sampled rows [B].
+
+    Rejected rows sample norm(max(0, p - q)) at the rejected position; rows that accepted all
+    their drafts sample the bonus from p at position n (q taken as 0 there).
+    """
+    B = p.shape[0]
+    p_a = p[torch.arange(B), num_acc]  # [B, V] target at the first unaccepted position
+    rejected = num_acc < drafts.num_drafts  # [B]
+    residual = (p_a - _draft_dist_at(drafts, d, num_acc, rejected)).clamp_min(0.0)  # [B, V]
+    # A rejection implies p(d) < q(d), so the residual has mass TV(p, q) > 0; fall back to p
+    # only if rounding left exactly nothing.
+    residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, p_a)
+    return _inverse_cdf(residual, u)
+
+
+def _draft_dist_at(
+    drafts: ChainDrafts, d: torch.Tensor, pos: torch.Tensor, rejected: torch.Tensor
+) -> torch.Tensor:
+    """q at each row's rejected position [B, V] fp64; zeros where nothing was rejected."""
+    B, K1, V = drafts.target_logits.shape
+    if K1 == 1:
+        return torch.zeros(B, V, dtype=torch.float64)
+    at = pos.clamp(max=K1 - 2)  # [B] bonus rows point anywhere valid; masked below
+    q = drafts.draft_probs
+    if q is None:  # deterministic draft: q is one-hot at the drafted token
+        q_a = torch.nn.functional.one_hot(d.gather(1, at.unsqueeze(1)).squeeze(1), V).double()
+    else:
+        q_a = q[torch.arange(B), at].double()  # [B, V]
+    return torch.where(rejected.unsqueeze(1), q_a, 0.0)  # where, not *: padding may be NaN
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from unnormalised weights [B, V] with uniforms u [B] (as the sampler)."""
+    cdf = weights.cumsum(dim=1)  # [B, V] fp64
+    x = u.unsqueeze(1) * cdf[:, -1:]  # [B, 1]
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
