@@ -121,3 +121,38 @@ def test_siblings_share_one_prefill_even_when_interleaved() -> None:
     assert batch.logit_index == [0, 1, 0]
     assert batch.copies == [(0, 2, 3)]
     assert batch.samplers[2].cached_tokens == 3
+
+
+def test_multi_token_steps_stop_at_the_first_finishing_token() -> None:
+    """A speculative step emits several tokens; stop rules apply token by token and drop
+    whatever follows the finishing one."""
+    from tlt_serve.engine.scheduler import Emitted
+
+    kv = FakeKV()
+    sched = Scheduler(ROWS, MAX_LEN, 100, frozenset({EOS}), kv.move)
+    sched.add(Request("eos", [1, 2], SamplingParams(max_new_tokens=10), None))
+    stop7 = SamplingParams(max_new_tokens=10, stop_token_ids=[7])
+    sched.add(Request("stop_id", [1, 2], stop7, None))
+    sched.add(Request("len", [1, 2], SamplingParams(max_new_tokens=3), None))
+    sched.add(Request("free", [1, 2], SamplingParams(max_new_tokens=10), None))
+    first = sched.schedule()
+    assert first is not None
+    for r in first.forward:
+        kv.owner[r.row] = r.rid
+    sched.postprocess(first, Sampled([5] * 4, [0.0] * 4, None), "v")
+    batch = sched.schedule()
+    assert batch is not None and not batch.is_prefill
+    emitted = Emitted(
+        token_ids=[[5, EOS, 6], [7, 8], [5, 5, 5], [5, 6, 8]],
+        logprobs=[[-0.1, -0.2, -0.3], [-0.4, -0.5], [-0.6, -0.7, -0.8], [-1.0, -1.1, -1.2]],
+        top_logprobs=None,
+    )
+    outs = {o.rid: o for o in sched.postprocess(batch, emitted, "v")}
+    assert outs["eos"].token_ids == [5, EOS] and outs["eos"].finish.matched == EOS
+    assert outs["eos"].logprobs == [-0.1, -0.2]
+    assert outs["stop_id"].token_ids == [7] and outs["stop_id"].finish.matched == 7
+    assert outs["len"].token_ids == [5, 5] and outs["len"].finish.type == "length"
+    assert outs["free"].token_ids == [5, 6, 8] and outs["free"].finish is None
+    assert [r.rid for r in sched.running] == ["free"]
+    assert sched.running[0].num_tokens == 2 + 1 + 3 and sched.running[0].row == 0
+    assert kv.owner[0] == "free"  # its KV row was moved into the first hole

@@ -36,13 +36,30 @@ class ScheduledBatch:
     copies: list[tuple[int, int, int]]
 
 
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), best first
+
+
 @dataclass(frozen=True)
 class Sampled:
-    """Per sampler: token, its logprob, and optional top logprobs."""
+    """Per sampler: one token, its logprob, and optional top logprobs (a plain step)."""
 
     token_ids: list[int]
     logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] | None
+    top_logprobs: list[TopLogprobs] | None
+
+    def as_emitted(self) -> Emitted:
+        tops = None if self.top_logprobs is None else [[t] for t in self.top_logprobs]
+        return Emitted([[t] for t in self.token_ids], [[lp] for lp in self.logprobs], tops)
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """Per sampler: the tokens a step produced for it, in order (a speculative step can
+    produce several), with their logprobs and optional top logprobs."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    top_logprobs: list[list[TopLogprobs]] | None
 
 
 class Scheduler:
@@ -132,50 +149,61 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------
     def postprocess(
-        self, batch: ScheduledBatch, sampled: Sampled, version: str
+        self, batch: ScheduledBatch, emitted: Sampled | Emitted, version: str
     ) -> list[StepOutput]:
-        """Append each sampler's token, apply stop rules, free finished rows."""
+        """Append each sampler's tokens, apply stop rules, free finished rows."""
+        em = emitted.as_emitted() if isinstance(emitted, Sampled) else emitted
         outputs = []
         for i, req in enumerate(batch.samplers):
-            token, logprob = sampled.token_ids[i], sampled.logprobs[i]
-            top = sampled.top_logprobs[i] if sampled.top_logprobs is not None else None
-            outputs.append(self._append(req, token, logprob, top, version))
+            tops = em.top_logprobs[i] if em.top_logprobs is not None else None
+            outputs.append(self._append(req, em.token_ids[i], em.logprobs[i], tops, version))
         self._release([r for r in batch.samplers if r.finished])
         return outputs
 
     def _append(
         self,
         req: Request,
-        token: int,
-        logprob: float,
-        top: list[tuple[int, float]] | None,
+        tokens: list[int],
+        logprobs: list[float],
+        tops: list[TopLogprobs] | None,
         version: str,
     ) -> StepOutput:
-        req.output_ids.append(token)
-        req.logprobs.append(logprob)
-        if top is not None:
-            req.top_logprobs.append(top)
-        text, matched = req.detok.push(token) if req.detok is not None else ("", None)
-        p = req.params
-        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
-            req.finish = FinishReason("stop", token)
-        elif matched is not None:
-            req.finish = FinishReason("stop", matched)
-        elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_len:
-            req.finish = FinishReason("length")
+        """Append tokens one by one; the first that finishes the request drops the rest."""
+        text = ""
+        n = 0
+        for n, token in enumerate(tokens, start=1):
+            req.output_ids.append(token)
+            req.logprobs.append(logprobs[n - 1])
+            if tops is not None:
+                req.top_logprobs.append(tops[n - 1])
+            delta, matched = req.detok.push(token) if req.detok is not None else ("", None)
+            text += delta
+            req.finish = self._finish_reason(req, token, matched)
+            if req.finish is not None:
+                break
         if req.finish is not None:
             req.status = Status.FINISHED
             if req.detok is not None:
                 text += req.detok.flush()
-        top_list = [top] if top is not None else []
-        return self._output(req, [token], [logprob], top_list, text, version)
+        top_list = tops[:n] if tops is not None else []
+        return self._output(req, tokens[:n], logprobs[:n], top_list, text, version)
+
+    def _finish_reason(self, req: Request, token: int, matched: str | None) -> FinishReason | None:
+        p = req.params
+        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+            return FinishReason("stop", token)
+        if matched is not None:
+            return FinishReason("stop", matched)
+        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_len:
+            return FinishReason("length")
+        return None
 
     def _output(
         self,
         req: Request,
         tokens: list[int],
         logprobs: list[float],
-        top: list[list[tuple[int, float]]],
+        top: list[TopLogprobs],
         text: str,
         version: str,
     ) -> StepOutput:
