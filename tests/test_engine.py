@@ -299,3 +299,25 @@ def test_weight_update_from_distributed(tiny_model_dir, tiny_model_factory) -> N
     assert not llm.engine.update_weights_from_distributed(
         [TensorSpec("x", "int8", (1,))], "v"
     ).ok
+
+
+def test_extend_forward_scores_several_tokens_after_a_cached_prefix(tiny_model_dir, hf) -> None:
+    """The verification shape: rows with different cached lengths each get several new
+    tokens in one forward; every position's logits equal HF's on the full sequence."""
+    llm = make_llm(tiny_model_dir, rows=4)
+    eng = llm.engine
+    prompts = [llm.tokenizer.encode(PROMPTS[2]), llm.tokenizer.encode(PROMPTS[0])]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=50, temperature=0.0))
+    eng.step()  # one prefill for both: KV rows hold the prompts
+    reqs = eng.scheduler.running
+    new = [[r.last_token, 7, 11, 13][: 4 - i] for i, r in enumerate(reqs)]  # 4 and 3 tokens
+    starts = [r.num_tokens - 1 for r in reqs]
+    with torch.inference_mode():
+        fb, ids = eng.runner.extend_batch(0, starts, new)
+        hidden = eng.model(ids, fb, eng.kv.layers).hidden
+        for b, r in enumerate(reqs):
+            logits = eng.model.logits(hidden[b, : len(new[b])])
+            full = torch.tensor([r.prompt_ids + new[b]])
+            ref = hf(full).logits[0, len(r.prompt_ids) :]
+            torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)

@@ -28,40 +28,52 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunOutput:
-        fb, input_ids, last = self._prefill(batch) if batch.is_prefill else self._decode(batch)
+        if batch.is_prefill:
+            starts, tokens = [0] * len(batch.forward), [r.prompt_ids for r in batch.forward]
+        else:
+            starts = [r.num_tokens - 1 for r in batch.forward]
+            tokens = [[r.last_token] for r in batch.forward]
+        fb, input_ids = self.extend_batch(batch.forward[0].row, starts, tokens)
         out = self.model(input_ids, fb, self.kv.layers)
         for src, dst, length in batch.copies:
             self.kv.copy_row(src, dst, length)
-        rows = torch.arange(len(last), device=self.device)
+        rows = torch.arange(len(tokens), device=self.device)
+        last = torch.tensor([len(t) - 1 for t in tokens], device=self.device)
         logits = self.model.logits(out.hidden[rows, last])  # [F, V]
         return RunOutput(logits=logits, hidden=out.hidden)
 
-    def _prefill(self, batch: ScheduledBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
-        lens = torch.tensor([len(r.prompt_ids) for r in batch.forward])  # [B]
+    def extend_batch(
+        self, row_lo: int, starts: list[int], tokens: list[list[int]]
+    ) -> tuple[ForwardBatch, torch.Tensor]:
+        """Rows ``row_lo..`` get ``tokens[b]`` at positions ``starts[b]..``, attending to
+        their first ``starts[b]`` cached columns and causally to each other.
+
+        One form for prefill (start 0), decode (one token) and verification (last token plus
+        drafts). Returns the batch and input ids [B, Q], right-padded.
+        """
+        B = len(tokens)
+        lens = torch.tensor([len(t) for t in tokens])  # [B]
+        start = torch.tensor(starts).unsqueeze(1)  # [B, 1]
         Q = int(lens.max())
-        ids = torch.zeros(len(lens), Q, dtype=torch.long)  # [B, Q]
-        for b, r in enumerate(batch.forward):
-            ids[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+        ids = torch.zeros(B, Q, dtype=torch.long)  # [B, Q]
+        for b, t in enumerate(tokens):
+            ids[b, : len(t)] = torch.tensor(t)
         cols = torch.arange(Q).unsqueeze(0)  # [1, Q]
         real = cols < lens.unsqueeze(1)  # [B, Q]
-        positions = cols.expand(len(lens), Q)
+        positions = (start + cols).clamp(max=self.kv.max_len - 1)  # [B, Q]
         write_pos = torch.where(real, positions, self.kv.scratch_col)
-        # Causal within the prompt; keys past a prompt's end are padding. Padding queries
-        # still see the real keys, so no softmax row is empty.
-        mask = (cols <= cols.T).unsqueeze(0) & real.unsqueeze(1)  # [B, Q, Q]
-        fb = self._batch(batch.forward[0].row, positions, write_pos, mask.unsqueeze(1), Q)
-        return fb, ids.to(self.device), (lens - 1).to(self.device)
-
-    def _decode(self, batch: ScheduledBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
-        pos = torch.tensor([r.num_tokens - 1 for r in batch.forward])  # [B]
-        ids = torch.tensor([r.last_token for r in batch.forward]).unsqueeze(1)  # [B, 1]
-        kv_len = int(pos.max()) + 1
+        end = start.squeeze(1) + lens  # [B] one past each row's last real column
+        kv_len = int(end.max())
         mask = None
-        if int(pos.min()) + 1 != kv_len:  # unequal lengths: hide each row's future columns
-            mask = (torch.arange(kv_len).unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
-        positions = pos.unsqueeze(1)  # [B, 1]
-        fb = self._batch(batch.forward[0].row, positions, positions, mask, kv_len)
-        return fb, ids.to(self.device), torch.zeros_like(pos).to(self.device)
+        if Q > 1 or int(end.min()) != kv_len:
+            # Key c is visible to query j of row b when c <= start_b + j and c < end_b
+            # (padding columns hidden). Padding queries still see the real keys, so no
+            # softmax row is empty.
+            key = torch.arange(kv_len).view(1, 1, kv_len)  # [1, 1, Kv]
+            causal = key <= (start + cols).unsqueeze(2)  # [B, Q, Kv]
+            mask = (causal & (key < end.view(B, 1, 1))).unsqueeze(1)  # [B, 1, Q, Kv]
+        fb = self._batch(row_lo, positions, write_pos, mask, kv_len)
+        return fb, ids.to(self.device)
 
     def _batch(
         self,
