@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt_serve.engine.sampler import _apply_filters
+from tlt_serve.engine.sampler import _apply_filters, _top_logprobs
 from tlt_serve.sampling_params import SamplingParams
 
 
@@ -68,26 +68,29 @@ class ChainDrafts:
 
 
 @dataclass(frozen=True)
-class ChainVerdict:
+class VerifyResult:
     """What the target accepted, per row. Nothing was mutated.
 
     ``num_accepted[b]`` counts accepted DRAFT tokens only: it EXCLUDES the correction / bonus
     token, so ``len(token_ids[b]) == num_accepted[b] + 1`` always (the step commits
     ``num_accepted + 1`` tokens). ``token_ids[b]`` = accepted drafts then the correction (first
     rejection) or bonus (all accepted) token; ``logprobs[b][i]`` is the target logprob of
-    ``token_ids[b][i]`` at position i. Tokens after a stop token are the caller's to drop.
+    ``token_ids[b][i]`` at position i; ``top_logprobs`` (when any row asks for them) the
+    row's ``params.top_logprobs`` best (token, logprob) pairs there, as the sampler reports.
+    Field for field an ``Emitted``. Tokens after a stop token are the caller's to drop.
     """
 
     num_accepted: list[int]  # [B]
     token_ids: list[list[int]]  # [B][num_accepted + 1]
     logprobs: list[list[float]]  # [B][num_accepted + 1]
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None  # [B][accepted + 1][top]
 
 
 def verify_chain(
     drafts: ChainDrafts,
     generators: Sequence[torch.Generator | None] | None = None,
     shared: torch.Generator | None = None,
-) -> ChainVerdict:
+) -> VerifyResult:
     """Accept a prefix of each row's drafts; see the module docstring for the rule.
 
     ``generators[b]`` (optional) is row b's own generator (a seeded request); rows without one
@@ -100,6 +103,7 @@ def verify_chain(
     temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])  # [B]
     scaled = logits / temps.view(B, 1, 1)  # [B, K+1, V]
     logprobs = torch.log_softmax(scaled, dim=-1)  # [B, K+1, V]
+    per_pos = [p for p in params for _ in range(K1)]  # [B*(K+1)] settings, row-major
     valid = torch.arange(K).unsqueeze(0) < drafts.num_drafts.unsqueeze(1)  # [B, K]
     d = torch.where(valid, drafts.draft_tokens, 0)  # [B, K] padding -> a safe index
     argmax = logits.argmax(dim=-1)  # [B, K+1]
@@ -109,11 +113,12 @@ def verify_chain(
     p: torch.Tensor | None = None
     u: torch.Tensor | None = None
     if bool(sampled.any()):
-        p = _filtered_probs(scaled, params)  # [B, K+1, V] fp64
+        p = _filtered_probs(scaled, per_pos)  # [B, K+1, V]
         u = _uniforms(drafts.num_drafts, sampled, generators, shared, K)  # [B, K+1] fp64
-        p_d = p[:, :K].gather(2, d.unsqueeze(2)).squeeze(2)  # [B, K]
+        # fp64 only on gathered values: a [B, K+1, V] fp64 copy would be ~100 MB at V=49k.
+        p_d = p[:, :K].gather(2, d.unsqueeze(2)).squeeze(2).double()  # [B, K]
         q = drafts.draft_probs
-        q_d = torch.ones_like(p_d) if q is None else q.double().gather(2, d.unsqueeze(2)).squeeze(2)
+        q_d = torch.ones_like(p_d) if q is None else q.gather(2, d.unsqueeze(2)).squeeze(2).double()
         # u < p/q written as u*q < p: no division, and p(d) = 0 (filtered out) never passes.
         ok = torch.where(sampled.unsqueeze(1), u[:, :K] * q_d < p_d, ok)
     ok &= valid
@@ -127,19 +132,23 @@ def verify_chain(
     chosen = logprobs.gather(2, emitted.unsqueeze(2)).squeeze(2)  # [B, K+1]
     counts = num_acc.tolist()
     toks, lps = emitted.tolist(), chosen.tolist()
-    return ChainVerdict(
+    tops = _top_logprobs(logprobs.view(B * K1, V), per_pos)  # [B*(K+1)][top] or None
+    top_rows = (
+        None if tops is None else [tops[b * K1 : b * K1 + n + 1] for b, n in enumerate(counts)]
+    )
+    return VerifyResult(
         num_accepted=counts,
         token_ids=[row[: n + 1] for row, n in zip(toks, counts, strict=True)],
         logprobs=[row[: n + 1] for row, n in zip(lps, counts, strict=True)],
+        top_logprobs=top_rows,
     )
 
 
-def _filtered_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """p after each row's filters, per position: [B, K+1, V] -> [B, K+1, V] fp64."""
+def _filtered_probs(scaled: torch.Tensor, per_pos: Sequence[SamplingParams]) -> torch.Tensor:
+    """p after the filters: [B, K+1, V] -> [B, K+1, V]; ``per_pos`` [B*(K+1)] row-major."""
     B, K1, V = scaled.shape
-    per_pos = [p for p in params for _ in range(K1)]  # row-major, matches reshape below
     filtered = _apply_filters(scaled.reshape(B * K1, V), per_pos)  # [B*(K+1), V]
-    return torch.softmax(filtered.double(), dim=-1).view(B, K1, V)
+    return torch.softmax(filtered, dim=-1).view(B, K1, V)
 
 
 def _uniforms(
@@ -176,7 +185,7 @@ def _correction(
     their drafts sample the bonus from p at position n (q taken as 0 there).
     """
     B = p.shape[0]
-    p_a = p[torch.arange(B), num_acc]  # [B, V] target at the first unaccepted position
+    p_a = p[torch.arange(B), num_acc].double()  # [B, V] target at the first unaccepted position
     rejected = num_acc < drafts.num_drafts  # [B]
     residual = (p_a - _draft_dist_at(drafts, d, num_acc, rejected)).clamp_min(0.0)  # [B, V]
     # A rejection implies p(d) < q(d), so the residual has mass TV(p, q) > 0; fall back to p
