@@ -90,3 +90,47 @@ def test_greedy_rows_take_argmax_and_report_raw_logprobs() -> None:
     ref = torch.log_softmax(LOGITS, dim=0)
     assert out.logprobs[0] == pytest.approx(float(ref[0]), abs=1e-6)
     assert out.top_logprobs is not None and [t for t, _ in out.top_logprobs[0]] == [0, 1]
+
+
+def _reference_filters(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Full-sort reference for apply_filters, written independently."""
+    out = torch.full_like(scaled, float("-inf"))
+    for i, p in enumerate(params):
+        probs = torch.softmax(scaled[i], dim=0)
+        order = probs.argsort(descending=True)
+        kept, mass = [], 0.0
+        for rank, tok in enumerate(order.tolist()):
+            if (p.top_k > 0 and rank >= p.top_k) or (rank > 0 and mass >= p.top_p):
+                break
+            kept.append(tok)
+            mass += float(probs[tok])
+        out[i, kept] = scaled[i, kept]
+        if p.min_p > 0:
+            q = torch.softmax(out[i], dim=0)
+            out[i] = out[i].masked_fill(q < p.min_p * q.max(), float("-inf"))
+    return out
+
+
+def test_candidate_filters_equal_a_full_sort_on_a_large_vocabulary() -> None:
+    """Top-k / top-p work on the best TOP_CANDIDATES tokens and fall back to a full sort
+    when the nucleus is wider (flat rows): both paths must keep exactly the same tokens."""
+    from tlt_serve.engine.sampler import TOP_CANDIDATES, apply_filters
+
+    V = 3 * TOP_CANDIDATES
+    g = torch.Generator().manual_seed(0)
+    peaked = torch.randn(3, V, generator=g) * 4.0
+    flat = torch.randn(3, V, generator=g) * 0.05  # nucleus of p=0.9 spans most of V
+    logits = torch.cat([peaked, flat])
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_k=50, top_p=0.95),
+        SamplingParams(top_k=2000, min_p=0.1),
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_k=1500, top_p=0.99),
+        SamplingParams(top_p=0.5, min_p=0.01),
+    ]
+    got = apply_filters(logits, params)
+    want = _reference_filters(logits, params)
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[~got.isinf()], want[~want.isinf()])
+    assert int((~got[3].isinf()).sum()) > TOP_CANDIDATES  # the fallback path really ran

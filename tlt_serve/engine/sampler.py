@@ -34,14 +34,14 @@ class Sampler:
         if all(greedy):
             tokens = logits.argmax(dim=-1)  # [N]
         else:
-            filtered = _apply_filters(scaled, params)  # [N, V], -inf outside the nucleus
+            filtered = apply_filters(scaled, params)  # [N, V], -inf outside the nucleus
             cdf = torch.softmax(filtered, dim=-1).double().cumsum(dim=-1)  # [N, V]
             u = self._uniforms(reqs).unsqueeze(1) * cdf[:, -1:]  # [N, 1]
             tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
             if any(greedy):
                 tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [N]
-        return Sampled(tokens.tolist(), chosen.tolist(), _top_logprobs(logprobs, params))
+        return Sampled(tokens.tolist(), chosen.tolist(), top_logprobs_of(logprobs, params))
 
     def _uniforms(self, reqs: Sequence[Request]) -> torch.Tensor:
         """One U[0, 1) draw per row [N] (fp64), from the row's generator or the shared one."""
@@ -52,25 +52,57 @@ class Sampler:
         return u
 
 
-def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k / top-p / min-p set."""
-    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+# Top-k / top-p look at a row's best tokens only: a partial top-k of this many candidates is
+# ~10x cheaper than sorting a 49k vocabulary (measured ~2.5 ms per row here). Rows whose
+# nucleus is not inside the candidates fall back to a full sort.
+TOP_CANDIDATES = 1024
+
+
+def apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k / top-p / min-p set.
+
+    top-p keeps the smallest prefix (by probability, descending) whose mass reaches p,
+    measured on the unfiltered distribution, intersected with top-k; min-p then drops tokens
+    below ``min_p`` times the most likely kept token's probability. Returns a new tensor.
+    """
+    N, V = scaled.shape
+    top_k = [p.top_k if p.top_k > 0 else V for p in params]
     top_p = [p.top_p for p in params]
-    min_p = [p.min_p for p in params]
     out = scaled
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [N, V]
-        V = scaled.shape[1]
-        rank = torch.arange(V).unsqueeze(0)  # [1, V]
-        k = torch.tensor([k if k > 0 else V for k in top_k]).unsqueeze(1)  # [N, 1]
-        drop = rank >= k
-        # top-p: keep the smallest prefix whose mass reaches p (the token crossing p stays).
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= torch.tensor(top_p).unsqueeze(1)
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        out = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+    if min(top_k) < V or min(top_p) < 1.0:
+        c = min(V, max([TOP_CANDIDATES] + [k for k in top_k if k < V]))
+        vals, idx = scaled.topk(c, dim=-1)  # [N, c], descending
+        out = _keep(scaled, vals, idx, top_k, top_p)
+        mass = torch.exp(vals - scaled.logsumexp(dim=-1, keepdim=True)).sum(dim=-1)  # [N]
+        wide = [i for i in range(N) if c < V and float(mass[i]) < top_p[i] - 1e-6]
+        if wide:  # the nucleus is wider than the candidates: sort those rows fully
+            rows = scaled[wide]
+            full_vals, full_idx = rows.sort(dim=-1, descending=True)
+            picked_k, picked_p = [top_k[i] for i in wide], [top_p[i] for i in wide]
+            out[wide] = _keep(rows, full_vals, full_idx, picked_k, picked_p)
+    return _min_p(out, params)
+
+
+def _keep(
+    scaled: torch.Tensor,
+    vals: torch.Tensor,
+    idx: torch.Tensor,
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+) -> torch.Tensor:
+    """-inf everywhere but the kept candidates; vals/idx [N, c] are each row's best, descending."""
+    rank = torch.arange(vals.shape[1]).unsqueeze(0)  # [1, c]
+    drop = rank >= torch.tensor(top_k).unsqueeze(1)  # [N, c]
+    probs = torch.exp(vals - scaled.logsumexp(dim=-1, keepdim=True))  # [N, c] true probs
+    mass_before = probs.cumsum(dim=-1) - probs  # the token crossing p stays
+    drop |= mass_before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+    drop[:, 0] = False
+    out = torch.full_like(scaled, float("-inf"))
+    return out.scatter_(1, idx, vals.masked_fill(drop, float("-inf")))
+
+
+def _min_p(out: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):
         probs = torch.softmax(out, dim=-1)
         floor = torch.tensor(min_p).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
@@ -78,7 +110,7 @@ def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return out
 
 
-def _top_logprobs(
+def top_logprobs_of(
     logprobs: torch.Tensor, params: Sequence[SamplingParams]
 ) -> list[list[tuple[int, float]]] | None:
     k = max(p.top_logprobs for p in params)

@@ -9,7 +9,7 @@ argmax at the first mismatch (or at position n, the bonus). Output == plain gree
 
 Sampled rows: speculative (rejection) sampling, Leviathan et al. 2023 / Chen et al. 2023. With
 p_j the target distribution AFTER the row's temperature and top-k / top-p / min-p filters (the
-engine sampler's own ``_apply_filters``) and q_j the distribution d_j was drawn from:
+engine sampler's own ``apply_filters``) and q_j the distribution d_j was drawn from:
   accept d_j with probability min(1, p_j(d_j) / q_j(d_j));
   at the first rejection emit a token from norm(max(0, p_j - q_j)) and stop;
   if all n are accepted emit the bonus token from p_n.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt_serve.engine.sampler import _apply_filters, _top_logprobs
+from tlt_serve.engine.sampler import apply_filters, top_logprobs_of
 from tlt_serve.sampling_params import SamplingParams
 
 
@@ -132,7 +132,7 @@ def verify_chain(
     chosen = logprobs.gather(2, emitted.unsqueeze(2)).squeeze(2)  # [B, K+1]
     counts = num_acc.tolist()
     toks, lps = emitted.tolist(), chosen.tolist()
-    tops = _top_logprobs(logprobs.view(B * K1, V), per_pos)  # [B*(K+1)][top] or None
+    tops = top_logprobs_of(logprobs.view(B * K1, V), per_pos)  # [B*(K+1)][top] or None
     top_rows = (
         None if tops is None else [tops[b * K1 : b * K1 + n + 1] for b, n in enumerate(counts)]
     )
@@ -147,7 +147,7 @@ def verify_chain(
 def _filtered_probs(scaled: torch.Tensor, per_pos: Sequence[SamplingParams]) -> torch.Tensor:
     """p after the filters: [B, K+1, V] -> [B, K+1, V]; ``per_pos`` [B*(K+1)] row-major."""
     B, K1, V = scaled.shape
-    filtered = _apply_filters(scaled.reshape(B * K1, V), per_pos)  # [B*(K+1), V]
+    filtered = apply_filters(scaled.reshape(B * K1, V), per_pos)  # [B*(K+1), V]
     return torch.softmax(filtered, dim=-1).view(B, K1, V)
 
 
