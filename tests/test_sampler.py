@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.reference import filtered_probs
 from tlt_serve.engine.request import Request
 from tlt_serve.engine.sampler import Sampler
 from tlt_serve.sampling_params import SamplingParams
@@ -21,22 +22,7 @@ def reqs(params: SamplingParams, n: int, seed: int | None = None) -> list[Reques
 
 
 def expected(params: SamplingParams) -> torch.Tensor:
-    """Reference distribution written independently of the sampler (a loop over tokens)."""
-    p = torch.softmax(LOGITS / params.temperature, dim=0)
-    order = p.argsort(descending=True).tolist()
-    keep = set()
-    mass = 0.0
-    for rank, tok in enumerate(order):
-        if params.top_k > 0 and rank >= params.top_k:
-            break
-        keep.add(tok)
-        mass += float(p[tok])
-        if mass >= params.top_p:
-            break
-    q = torch.tensor([float(p[t]) if t in keep else 0.0 for t in range(len(LOGITS))])
-    q = q / q.sum()
-    q = torch.where(q >= params.min_p * q.max(), q, torch.zeros_like(q))
-    return q / q.sum()
+    return filtered_probs(LOGITS, params)
 
 
 @pytest.mark.parametrize(
@@ -93,21 +79,11 @@ def test_greedy_rows_take_argmax_and_report_raw_logprobs() -> None:
 
 
 def _reference_filters(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Full-sort reference for apply_filters, written independently."""
+    """apply_filters by the reference: keep what ``filtered_probs`` gives mass to."""
     out = torch.full_like(scaled, float("-inf"))
     for i, p in enumerate(params):
-        probs = torch.softmax(scaled[i], dim=0)
-        order = probs.argsort(descending=True)
-        kept, mass = [], 0.0
-        for rank, tok in enumerate(order.tolist()):
-            if (p.top_k > 0 and rank >= p.top_k) or (rank > 0 and mass >= p.top_p):
-                break
-            kept.append(tok)
-            mass += float(probs[tok])
+        kept = filtered_probs(scaled[i], p) > 0
         out[i, kept] = scaled[i, kept]
-        if p.min_p > 0:
-            q = torch.softmax(out[i], dim=0)
-            out[i] = out[i].masked_fill(q < p.min_p * q.max(), float("-inf"))
     return out
 
 

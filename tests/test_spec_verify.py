@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.reference import filtered_probs
 from tlt_serve.sampling_params import SamplingParams
 from tlt_serve.spec.verify import ChainDrafts, _filtered_probs, verify_chain
 
@@ -53,20 +54,8 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Filtered target distribution, written as a loop independently of the engine code."""
-    p = torch.softmax(logits.double() / params.temperature, dim=0)
-    keep, mass = [], 0.0
-    for rank, tok in enumerate(p.argsort(descending=True).tolist()):
-        if params.top_k > 0 and rank >= params.top_k:
-            break
-        keep.append(tok)
-        mass += float(p[tok])
-        if mass >= params.top_p:
-            break
-    q = torch.zeros(V, dtype=torch.float64)
-    q[keep] = p[keep] / p[keep].sum()
-    q = torch.where(q >= params.min_p * q.max(), q, 0.0)
-    return q / q.sum()
+    """Filtered target distribution, from the tests' independent reference."""
+    return filtered_probs(logits, params)
 
 
 @dataclass(frozen=True)
