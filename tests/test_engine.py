@@ -321,3 +321,21 @@ def test_extend_forward_scores_several_tokens_after_a_cached_prefix(tiny_model_d
             full = torch.tensor([r.prompt_ids + new[b]])
             ref = hf(full).logits[0, len(r.prompt_ids) :]
             torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_queue_cap_counts_every_sample(tiny_model_dir) -> None:
+    cfg = EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=64),
+        cache=CacheConfig(max_num_seqs=2),
+        scheduler=SchedulerConfig(max_waiting=3),
+    )
+    llm = LLM(config=cfg)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    with pytest.raises(OverflowError, match="queue full"):
+        llm.engine.add_request("big", ids, SamplingParams(n=4, max_new_tokens=2))
+    assert not llm.engine.has_work()  # refused as a whole, no sample queued
+    assert llm.engine.add_request("ok", ids, SamplingParams(n=3, max_new_tokens=2)) == [
+        "ok#0", "ok#1", "ok#2",
+    ]
+    with pytest.raises(OverflowError):
+        llm.engine.add_request("one-more", ids, SamplingParams(max_new_tokens=2))

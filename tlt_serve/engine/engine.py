@@ -80,7 +80,8 @@ class Engine:
         Raises ParamError for a prompt the engine cannot run.
         """
         self._check_prompt(prompt_ids)
-        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+        if len(self.scheduler.waiting) + params.n > self.config.scheduler.max_waiting:
+            # n samples take n queue places: count them all, or a big n overshoots the cap.
             raise OverflowError(f"queue full ({self.config.scheduler.max_waiting} waiting)")
         rids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
         for i, sub in enumerate(rids):
