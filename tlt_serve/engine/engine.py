@@ -141,7 +141,7 @@ class Engine:
         logits = run.logits[batch.logit_index]  # [N, V]
         sampled = self.sampler.sample(logits, batch.samplers)
         outputs = self.scheduler.postprocess(batch, sampled, self.weight_version)
-        self.stats.on_step(batch, time.perf_counter() - t0, len(self.scheduler.running))
+        self.stats.on_step(batch, time.perf_counter() - t0)
         return outputs
 
     # ---- weights ---------------------------------------------------------------------------

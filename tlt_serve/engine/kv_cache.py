@@ -29,16 +29,7 @@ class KVCache:
     def scratch_col(self) -> int:
         return self.max_len
 
-    @property
-    def bytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
-
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` columns of row ``src`` into row ``dst`` (all layers)."""
         if src != dst and length > 0:
             self.storage[:, :, dst, :, :length] = self.storage[:, :, src, :, :length]
-
-    @staticmethod
-    def bytes_per_token(cfg: ArchConfig, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem

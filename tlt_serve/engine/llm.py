@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tlt_serve.config import EngineConfig, ModelConfig
+from tlt_serve.config import EngineConfig
 from tlt_serve.engine.engine import Engine
 from tlt_serve.engine.outputs import RequestResult
 from tlt_serve.sampling_params import SamplingParams
@@ -35,10 +35,6 @@ class LLM:
             config = replace(config, model=replace(config.model, **model_kw))
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
-
-    @classmethod
-    def from_model_config(cls, model: ModelConfig, **engine_kw: Any) -> LLM:
-        return cls(config=EngineConfig(model=model, **engine_kw))
 
     def generate(
         self,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,8 +40,6 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens whose KV came from a sibling's prefill
     finish: FinishReason | None = None
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -15,7 +15,7 @@ from tlt_serve.models.llama import LlamaModel
 @dataclass(frozen=True)
 class RunOutput:
     logits: torch.Tensor  # [F, V] fp32, last position of each forward request
-    hidden: torch.Tensor  # [F, Q, H] final hidden states of all positions (capture uses it)
+    hidden: torch.Tensor  # [F, Q, H] final hidden states of all positions (for drafters)
 
 
 class ModelRunner:

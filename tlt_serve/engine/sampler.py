@@ -27,10 +27,12 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> Sampled:
         """logits [N, V] fp32, one row per request → one token each."""
         params = [r.params for r in reqs]
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
-        scaled = logits / temps.unsqueeze(1)  # [N, V]
-        logprobs = torch.log_softmax(scaled, dim=-1)  # [N, V]
         greedy = [p.greedy for p in params]
+        scaled = logits  # greedy rows report raw-logit logprobs (T = 1)
+        if not all(greedy):
+            temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+            scaled = logits / temps.unsqueeze(1)  # [N, V]
+        logprobs = torch.log_softmax(scaled, dim=-1)  # [N, V]
         if all(greedy):
             tokens = logits.argmax(dim=-1)  # [N]
         else:

@@ -33,20 +33,18 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
-    running: int = 0
-    batch_tokens: int = 0  # sequences in the last decode batch
+    decode_batch_size: int = 0  # sequences in the last decode step
     step_time: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))
 
     def on_add(self, n: int, prompt_len: int) -> None:
         self.requests += n
         self.prompt_tokens += prompt_len
 
-    def on_step(self, batch: ScheduledBatch, seconds: float, running: int) -> None:
+    def on_step(self, batch: ScheduledBatch, seconds: float) -> None:
         self.generated_tokens += len(batch.samplers)
-        self.running = running
         if batch.is_prefill:
             self.prefill_steps += 1
         else:
             self.decode_steps += 1
-            self.batch_tokens = len(batch.samplers)
+            self.decode_batch_size = len(batch.samplers)
         self.step_time.observe(seconds)

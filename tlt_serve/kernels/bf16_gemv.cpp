@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cstdint>
+#include <cstring>
 
 static inline __m256 load_bf16x8(const uint16_t* p) {
   // bf16 is the top half of an fp32: widen to 32 bits and shift left by 16.

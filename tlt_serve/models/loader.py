@@ -21,6 +21,17 @@ from tlt_serve.models.rope import cos_sin_table
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Checkpoint entries that carry no weights of ours (recomputed or unused).
+# Per-layer modules whose HF tensors map one to one onto ours.
+_PLAIN = frozenset(
+    {
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    }
+)
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
 
@@ -64,15 +75,7 @@ def param_slot(cfg: ArchConfig, hf_name: str) -> ParamSlot | None:
     if module in fused:
         target, start, stop = fused[module]
         return ParamSlot(f"{prefix}{target}.{kind}", start, stop)
-    plain = {
-        "self_attn.o_proj",
-        "self_attn.q_norm",
-        "self_attn.k_norm",
-        "mlp.down_proj",
-        "input_layernorm",
-        "post_attention_layernorm",
-    }
-    if module in plain:
+    if module in _PLAIN:
         return ParamSlot(f"{prefix}{rest}")
     raise WeightError(f"unknown weight name {hf_name!r}")
 

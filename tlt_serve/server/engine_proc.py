@@ -232,7 +232,7 @@ class EngineLoop:
             running=len(sched.running),
             waiting=len(sched.waiting),
             max_num_seqs=self.engine.config.cache.max_num_seqs,
-            batch_size=s.batch_tokens,
+            batch_size=s.decode_batch_size,
             step_buckets=tuple(s.step_time.buckets),
             step_counts=tuple(s.step_time.counts),
             step_sum=s.step_time.total,
