@@ -83,7 +83,7 @@ class Engine:
         if len(self.scheduler.waiting) + params.n > self.config.scheduler.max_waiting:
             # n samples take n queue places: count them all, or a big n overshoots the cap.
             raise OverflowError(f"queue full ({self.config.scheduler.max_waiting} waiting)")
-        rids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
+        rids = sample_rids(rid, params.n)
         for i, sub in enumerate(rids):
             seed = None if params.seed is None else params.seed + i
             self.scheduler.add(
@@ -208,6 +208,11 @@ class Engine:
         except (RuntimeError, ValueError) as err:
             return UpdateResult(False, f"receiving weights failed: {err}", self.weight_version)
         return self.update_weights(tensors, version)
+
+
+def sample_rids(rid: str, n: int) -> list[str]:
+    """Engine ids of a request's samples: ``rid`` itself when n == 1, else ``rid#0..``."""
+    return [rid] if n == 1 else [f"{rid}#{i}" for i in range(n)]
 
 
 def _next_version(version: str) -> str:

@@ -20,10 +20,17 @@ class Tokenizer:
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat messages → prompt token ids, with the assistant turn opened."""
+        """Chat messages → prompt token ids, with the assistant turn opened.
+
+        Raises ValueError (no template, or the template rejected the messages)."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        from jinja2 import TemplateError
+
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as err:  # e.g. a template that raises on an unexpected role order
+            raise ValueError(f"chat template failed: {err}") from err
         return self.encode(text)
 
 

@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tlt_serve.config import EngineConfig
+from tlt_serve.engine.engine import sample_rids
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.sampling_params import ParamError, SamplingParams
 from tlt_serve.server.engine_proc import run_engine
@@ -188,7 +189,7 @@ class EngineClient:
         if rid in self._streams:
             raise ParamError("rid", f"request id {rid!r} is already in flight")
         loop = self._bind_loop()
-        subs = (rid,) if params.n == 1 else tuple(f"{rid}#{i}" for i in range(params.n))
+        subs = tuple(sample_rids(rid, params.n))
         state = StreamState(rid, subs, loop)
         self._streams[rid] = state
         self._subs.update({s: state for s in subs})
@@ -230,8 +231,9 @@ class EngineClient:
         else:
             self._forget(state)
 
-    def in_flight(self) -> list[str]:
-        return list(self._streams)
+    def in_flight(self) -> int:
+        """Front-end requests still streaming."""
+        return len(self._streams)
 
     def _forget(self, state: StreamState) -> None:
         if self._streams.get(state.rid) is state:
@@ -316,7 +318,7 @@ class EngineClient:
             self.dead_reason = reason
             if not self.closing:
                 log.error("%s", reason)
-        self._post(self._fail_all, EngineDeadError(reason))
+            self._post(self._fail_all, EngineDeadError(reason))  # once, not per EOF/Fatal
 
     # ---- event-loop side -----------------------------------------------------------------
     def _on_message(self, msg: FromEngine) -> None:

@@ -59,6 +59,15 @@ class LogprobFormatter:
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
 
+    def _top_texts(self, tops: list[list[tuple[int, float]]]) -> list[list[str]]:
+        """The text of every top-logprob token, decoded in one tokenizer call."""
+        flat = token_texts(self.tok, [t for row in tops for t, _ in row])
+        out, i = [], 0
+        for row in tops:
+            out.append(flat[i : i + len(row)])
+            i += len(row)
+        return out
+
     def completion(
         self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]], offset: int
     ) -> tuple[CompletionLogprobs, int]:
@@ -72,11 +81,11 @@ class LogprobFormatter:
             offsets.append(offset)
             offset += len(text)
         top = []
+        top_texts = self._top_texts(tops)
         for i, (text, lp) in enumerate(zip(texts, lps, strict=True)):
             entry = {text: lp}  # the sampled token is always listed, as vLLM does
             if i < len(tops):
-                top_ids = [t for t, _ in tops[i]]
-                for t_text, (_, t_lp) in zip(token_texts(self.tok, top_ids), tops[i], strict=True):
+                for t_text, (_, t_lp) in zip(top_texts[i], tops[i], strict=True):
                     entry.setdefault(t_text, t_lp)
             top.append(entry)
         return CompletionLogprobs(texts, list(lps), top, offsets), offset
@@ -86,11 +95,11 @@ class LogprobFormatter:
     ) -> ChatLogprobs:
         texts = token_texts(self.tok, ids)
         content = []
+        top_texts = self._top_texts(tops)
         for i, (text, lp) in enumerate(zip(texts, lps, strict=True)):
             top: list[TopLogprob] = []
             if i < len(tops):
-                top_ids = [t for t, _ in tops[i]]
-                for t_text, (_, t_lp) in zip(token_texts(self.tok, top_ids), tops[i], strict=True):
+                for t_text, (_, t_lp) in zip(top_texts[i], tops[i], strict=True):
                     top.append(TopLogprob(t_text, t_lp, list(t_text.encode())))
             content.append(TokenLogprob(text, lp, list(text.encode()), top))
         return ChatLogprobs(content)

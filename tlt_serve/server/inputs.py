@@ -131,12 +131,18 @@ def _rids(rid: str | list[str] | None, count: int) -> list[str]:
     return rids
 
 
+# SamplingParams field → the name a client used for it in a /generate body (error messages).
+_SGL_FIELD_NAMES = {
+    **{f: f"sampling_params.{f}" for f in SamplingParams.__dataclass_fields__},
+    "seed": "sampling_params.sampling_seed",
+    "top_logprobs": "top_logprobs_num",
+}
+
+
 def _sgl_params(sp: SglSamplingParams, logprob: bool, top_n: int) -> SamplingParams:
     require_defaults(sp, SGL_DEFAULT_ONLY, "sampling_params.")
-    rename = {f: f"sampling_params.{f}" for f in SamplingParams.__dataclass_fields__}
-    rename.update(seed="sampling_params.sampling_seed", top_logprobs="top_logprobs_num")
     return make_params(
-        rename,
+        _SGL_FIELD_NAMES,
         max_new_tokens=sp.max_new_tokens,
         temperature=sp.temperature,
         top_p=sp.top_p,

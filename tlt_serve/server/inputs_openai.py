@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from jinja2 import TemplateError
-
 from tlt_serve.models.tokenizer import Tokenizer
 from tlt_serve.sampling_params import ParamError, SamplingParams
 from tlt_serve.server.inputs import Job, check_prompt, make_params, new_rid, require_defaults
@@ -94,8 +92,6 @@ def _chat_prompt(req: ChatReq, tok: Tokenizer) -> list[int]:
         return tok.apply_chat_template(messages)
     except ValueError as err:
         raise ParamError("messages", str(err)) from err
-    except TemplateError as err:  # e.g. a template that raises on an unexpected role order
-        raise ParamError("messages", f"chat template failed: {err}") from err
 
 
 def _check_stream_options(req: CommonReq) -> None:

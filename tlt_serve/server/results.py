@@ -9,6 +9,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from tlt_serve.engine.engine import sample_rids
 from tlt_serve.engine.outputs import RequestResult, StepOutput
 from tlt_serve.models.tokenizer import Tokenizer
 from tlt_serve.server.bridge import EngineClient
@@ -30,17 +31,14 @@ class SampleBook:
         self.jobs = jobs
         self.samples: list[RequestResult] = []
         self.job_of: list[int] = []  # sample index → job index
-        self.sample_in_job: list[int] = []
         self._index: dict[str, int] = {}
         self.started = time.monotonic()
         for j, job in enumerate(jobs):
             n = job.params.n
-            subs = [job.rid] if n == 1 else [f"{job.rid}#{i}" for i in range(n)]
-            for i, sub in enumerate(subs):
+            for sub in sample_rids(job.rid, n):
                 self._index[sub] = len(self.samples)
                 self.samples.append(RequestResult(sub, job.prompt_ids))
                 self.job_of.append(j)
-                self.sample_in_job.append(i)
 
     def absorb(self, outs: list[StepOutput]) -> dict[int, list[StepOutput]]:
         """Add outputs to their samples; returns the new outputs per touched sample index."""

@@ -53,7 +53,7 @@ def control_routes() -> APIRouter:
         try:
             streams = await submit_all(st.client, [job])
             await asyncio.wait_for(collect(streams, SampleBook([job])), HEALTH_GENERATE_TIMEOUT_S)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
             return error_response(503, "engine did not generate a token in time")
         return json_response({"status": "ok"})
 
@@ -81,7 +81,7 @@ def control_routes() -> APIRouter:
             "stats": dataclasses.asdict(stats),
             "weight_version": stats.weight_version,
             "paused": stats.paused,
-            "in_flight": len(st.client.in_flight()),
+            "in_flight": st.client.in_flight(),
             "version": tlt_serve.__version__,
         })
 
@@ -148,9 +148,9 @@ def control_routes() -> APIRouter:
         st = get_state(request)
         try:
             stats: StatsSnapshot | None = await fresh_stats(st)
-        except (EngineDeadError, TimeoutError):
+        except (EngineDeadError, asyncio.TimeoutError):
             stats = st.client.stats  # last known: still worth scraping
-        text = render_metrics(stats, st.client.alive, len(st.client.in_flight()), st.model_name)
+        text = render_metrics(stats, st.client.alive, st.client.in_flight(), st.model_name)
         return Response(text, media_type=CONTENT_TYPE)
 
     return router

@@ -130,7 +130,7 @@ class _Api:
         self.include_usage = include_usage
         self.token_ids = token_ids
         self.lp = LogprobFormatter(st.tokenizer)
-        self.eos = frozenset(st.info.eos_ids)
+        self.eos = st.tokenizer.eos_ids
         self.text_offsets: dict[int, int] = {}
 
     def _usage_field(self) -> None | msgspec.UnsetType:

@@ -66,10 +66,6 @@ class RequestStream:
         self._on_abandon = on_abandon
         self._closed = False
 
-    @property
-    def rid(self) -> str:
-        return self.state.rid
-
     def __aiter__(self) -> RequestStream:
         return self
 
