@@ -72,6 +72,9 @@ def weight_routes() -> APIRouter:
         except ClientDisconnect:
             st.uploads.discard(upload_id)
             return Response(status_code=499)
+        except BaseException:  # e.g. disk full: never leave a half-written upload registered
+            st.uploads.discard(upload_id)
+            raise
         done = st.uploads.end_chunk(upload_id)
         if done is None:
             msg = f"chunk {chunk + 1}/{num_chunks} received"
