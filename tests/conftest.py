@@ -7,12 +7,18 @@ import httpx
 import pytest
 
 from tests.test_server_harness import Served, serve
-from tests.tiny import make_tiny_model
+from tests.tiny import make_tiny_drafter, make_tiny_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised drafter checkpoint for ``tiny_model_dir``."""
+    return make_tiny_drafter(tiny_model_dir, tmp_path_factory.mktemp("drafter") / "d")
 
 
 @pytest.fixture(scope="session")

@@ -312,12 +312,10 @@ def test_extend_forward_scores_several_tokens_after_a_cached_prefix(tiny_model_d
     eng.step()  # one prefill for both: KV rows hold the prompts
     reqs = eng.scheduler.running
     new = [[r.last_token, 7, 11, 13][: 4 - i] for i, r in enumerate(reqs)]  # 4 and 3 tokens
-    starts = [r.num_tokens - 1 for r in reqs]
     with torch.inference_mode():
-        fb, ids = eng.runner.extend_batch(0, starts, new)
-        hidden = eng.model(ids, fb, eng.kv.layers).hidden
+        logits_all = eng.runner.verify(reqs, [t[1:] for t in new]).logits  # [B, K+1, V]
         for b, r in enumerate(reqs):
-            logits = eng.model.logits(hidden[b, : len(new[b])])
+            logits = logits_all[b, : len(new[b])]
             full = torch.tensor([r.prompt_ids + new[b]])
             ref = hf(full).logits[0, len(r.prompt_ids) :]
             torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)

@@ -81,3 +81,37 @@ def make_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def make_tiny_drafter(
+    target_dir: Path,
+    out: Path,
+    seed: int = 0,
+    feature_layers: tuple[int, ...] = (),
+    draft_vocab_size: int = 0,
+) -> Path:
+    """Write a randomly initialised drafter checkpoint for the tiny target at ``target_dir``."""
+    import json
+
+    from tlt_serve.models.loader import build_model
+    from tlt_serve.spec.checkpoint import save_drafter
+    from tlt_serve.spec.drafter import DrafterSpec, new_drafter
+
+    target = build_model(target_dir, torch.float32, 256)
+    spec = DrafterSpec(feature_layers=feature_layers, draft_vocab_size=draft_vocab_size)
+    drafter = new_drafter(target, spec, seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() == 2 and not name.startswith("fc."):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        if feature_layers:  # read the last fused layer's stream: some drafts get accepted
+            H = target.cfg.hidden_size
+            drafter.fuse.weight.zero_()
+            drafter.fuse.weight[:, -H:].copy_(torch.eye(H))
+        if draft_vocab_size:
+            drafter.draft_vocab.copy_(
+                torch.randperm(target.cfg.vocab_size, generator=gen)[:draft_vocab_size]
+            )
+    hf = json.loads((target_dir / "config.json").read_text())
+    return save_drafter(drafter, out, hf, spec)

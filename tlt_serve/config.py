@@ -1,4 +1,4 @@
-"""Frozen, layered configuration: Model / Cache / Scheduler ⊂ Engine ⊂ Server.
+"""Frozen, layered configuration: Model / Cache / Scheduler / Spec ⊂ Engine ⊂ Server.
 
 Building a config touches no disk and no device; ``validate`` checks ranges and names the
 offending field.
@@ -21,7 +21,6 @@ class ModelConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     max_model_len: int = 2048  # prompt + output tokens per sequence
-    aux_hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states runs return
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,11 +50,56 @@ class SchedulerConfig:
             raise ConfigError(f"max_waiting: must be >= 1, got {self.max_waiting}")
 
 
+SPEC_METHODS = ("off", "ngram", "drafter", "auto")
+MAX_DRAFT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding. ``auto``: the drafter when one is given, else n-gram."""
+
+    method: str = "off"  # off | ngram | drafter | auto
+    drafter: str | None = None  # drafter checkpoint directory (see spec/checkpoint.py)
+    num_draft_tokens: int = 4  # chain depth: most tokens drafted per request per step
+    max_batch: int = 8  # speculate while at most this many sequences run (the long tail)
+    auto_depths: tuple[int, ...] = (2, 4, 6)  # chain depths the auto policy chooses among
+    ngram_min_n: int = 2
+    ngram_max_n: int = 4
+
+    def validate(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative: {self.method!r} is not one of {SPEC_METHODS}")
+        if self.method == "drafter" and not self.drafter:
+            raise ConfigError("drafter: --speculative drafter needs a drafter checkpoint path")
+        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ConfigError(
+                f"num_draft_tokens: must be in [1, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}"
+            )
+        bad = [d for d in self.auto_depths if not 1 <= d <= MAX_DRAFT_TOKENS]
+        if bad or not self.auto_depths:
+            raise ConfigError(f"auto_depths: each must be in [1, {MAX_DRAFT_TOKENS}], got {bad}")
+        if self.max_batch < 1:
+            raise ConfigError(f"spec_max_batch: must be >= 1, got {self.max_batch}")
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise ConfigError(
+                f"ngram_min_n: need 1 <= ngram_min_n <= ngram_max_n, "
+                f"got {self.ngram_min_n}, {self.ngram_max_n}"
+            )
+
+    @property
+    def proposer(self) -> str:
+        """none | ngram | drafter: what ``method`` resolves to."""
+        if self.method == "auto":
+            return "drafter" if self.drafter else "ngram"
+        return {"off": "none"}.get(self.method, self.method)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     seed: int = 0  # seeds the shared generator of requests without their own seed
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
 
@@ -63,6 +107,7 @@ class EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.spec.validate()
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,14 @@ from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.engine.request import Request
 from tlt_serve.engine.runner import ModelRunner
 from tlt_serve.engine.sampler import Sampler
-from tlt_serve.engine.scheduler import Scheduler
+from tlt_serve.engine.scheduler import Emitted, Sampled, Scheduler
 from tlt_serve.engine.stats import EngineStats
 from tlt_serve.engine.weight_sync import TensorSpec, WeightSyncGroup
 from tlt_serve.models.loader import WeightError, build_model, load_weights
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
 from tlt_serve.sampling_params import ParamError, SamplingParams
+from tlt_serve.spec.decoder import build_spec_decoder
 
 log = logging.getLogger("tlt_serve.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,13 +56,17 @@ class Engine:
         self.kv = KVCache(
             self.model.cfg, config.cache.max_num_seqs, mc.max_model_len, DTYPES[mc.dtype], mc.device
         )
-        self.runner = ModelRunner(self.model, self.kv, mc.device)
+        rows = config.cache.max_num_seqs
+        self.spec = build_spec_decoder(
+            config.spec, self.model, rows, mc.max_model_len, seed=config.seed
+        )
+        self.runner = ModelRunner(self.model, self.kv, mc.device, self.spec.feature_layers)
         self.scheduler = Scheduler(
-            num_rows=config.cache.max_num_seqs,
+            num_rows=rows,
             max_len=mc.max_model_len,
             max_prefill_tokens=config.scheduler.max_prefill_tokens,
             eos_ids=self.tokenizer.eos_ids,
-            move_row=self.kv.copy_row,
+            move_row=self._move_row,
         )
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
@@ -117,31 +122,51 @@ class Engine:
 
     def abort(self, rid: str) -> list[StepOutput]:
         """Abort a request (all its samples); returns their final outputs (partial tokens)."""
-        outs = [self.scheduler.abort(sub, self.weight_version) for sub in self._family(rid)]
+        family = [r for r in self._requests() if r.rid == rid or r.group == rid]
+        outs = [self.scheduler.abort(r.rid, self.weight_version) for r in family]
+        self.spec.release(family)
         return [o for o in outs if o is not None]
 
     def abort_all(self) -> list[StepOutput]:
-        return self.scheduler.abort_all(self.weight_version)
+        reqs = self._requests()
+        outs = self.scheduler.abort_all(self.weight_version)
+        self.spec.release(reqs)
+        return outs
 
-    def _family(self, rid: str) -> list[str]:
-        reqs = list(self.scheduler.waiting) + self.scheduler.running
-        return [r.rid for r in reqs if r.rid == rid or r.group == rid]
+    def _requests(self) -> list[Request]:
+        return list(self.scheduler.waiting) + self.scheduler.running
+
+    def _move_row(self, src: int, dst: int, length: int) -> None:
+        self.kv.copy_row(src, dst, length)
+        self.spec.move_row(src, dst, length)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Run one forward for the scheduled batch and return each request's delta."""
+        """Run one target forward for the scheduled batch and return each request's delta.
+
+        A decode batch may speculate: the proposer drafts, one forward scores every
+        request's last token plus its drafts, and verification commits 1..k+1 tokens each.
+        """
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         t0 = time.perf_counter()
-        run = self.runner.run(batch)
-        logits = run.logits[batch.logit_index]  # [N, V]
-        sampled = self.sampler.sample(logits, batch.samplers)
-        outputs = self.scheduler.postprocess(batch, sampled, self.weight_version)
-        self.stats.on_step(batch, time.perf_counter() - t0)
+        drafts = self.spec.plan(batch)
+        emitted: Sampled | Emitted
+        if drafts is None:
+            run = self.runner.run(batch)
+            emitted = self.sampler.sample(run.logits[batch.logit_index], batch.samplers)
+        else:
+            run = self.runner.verify(batch.forward, drafts)
+            emitted = self.spec.verify(run, drafts, batch.forward, self.sampler.generator)
+        self.spec.observe(batch, run, emitted)
+        outputs = self.scheduler.postprocess(batch, emitted, self.weight_version)
+        seconds = time.perf_counter() - t0
+        self.spec.end_step(batch, outputs, seconds)
+        self.stats.on_step(batch, emitted, outputs, seconds)
         return outputs
 
     # ---- weights ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tlt_serve.engine.request import FinishReason
+from tlt_serve.engine.request import FinishReason, SpecCounts
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class StepOutput:
     prompt_tokens: int
     cached_tokens: int
     weight_version: str  # the target weights this step ran under
+    spec: SpecCounts = SpecCounts()  # the request's speculation counters so far (cumulative)
 
     @property
     def finished(self) -> bool:
@@ -40,6 +41,7 @@ class RequestResult:
     cached_tokens: int = 0
     weight_version: str = ""  # version of the last step
     weight_versions: list[str] = field(default_factory=list)  # all, in order (RL: off-policy)
+    spec: SpecCounts = field(default_factory=SpecCounts)
 
     def add(self, out: StepOutput) -> None:
         self.token_ids.extend(out.token_ids)
@@ -49,5 +51,6 @@ class RequestResult:
         self.finish = out.finish
         self.cached_tokens = out.cached_tokens
         self.weight_version = out.weight_version
+        self.spec = out.spec
         if not self.weight_versions or self.weight_versions[-1] != out.weight_version:
             self.weight_versions.append(out.weight_version)

@@ -25,6 +25,28 @@ class FinishReason:
     matched: int | str | None = None
 
 
+@dataclass(frozen=True)
+class SpecCounts:
+    """Speculation counters of one request: verify steps it drafted in, draft tokens
+    proposed, draft tokens accepted (excluding the correction / bonus token)."""
+
+    verify_ct: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def plus(self, drafted: int, accepted: int) -> SpecCounts:
+        return SpecCounts(self.verify_ct + 1, self.drafted + drafted, self.accepted + accepted)
+
+    @property
+    def accept_length(self) -> float:
+        """Mean accepted drafts per verify step (0 when it never speculated)."""
+        return self.accepted / self.verify_ct if self.verify_ct else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
 @dataclass(eq=False)  # identity semantics: two requests are never 'equal'
 class Request:
     rid: str
@@ -39,6 +61,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens whose KV came from a sibling's prefill
+    spec: SpecCounts = field(default_factory=SpecCounts)
     finish: FinishReason | None = None
 
     @property

@@ -1,4 +1,4 @@
-"""Turns a ScheduledBatch into tensors, runs the target, returns last-position logits."""
+"""Turns scheduled work into tensors, runs the target, returns logits and hidden states."""
 
 from __future__ import annotations
 
@@ -7,84 +7,109 @@ from dataclasses import dataclass
 import torch
 
 from tlt_serve.engine.kv_cache import KVCache
+from tlt_serve.engine.request import Request
 from tlt_serve.engine.scheduler import ScheduledBatch
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
 from tlt_serve.models.llama import LlamaModel
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RunOutput:
-    logits: torch.Tensor  # [F, V] fp32, last position of each forward request
-    hidden: torch.Tensor  # [F, Q, H] final hidden states of all positions (for drafters)
+    """One target forward over F rows of Q query tokens (right-padded).
+
+    ``logits`` [F, V] (plain step: each row's last real position) or [F, Q, V] (verify step:
+    every position). ``hidden`` [F, Q, H] final-norm hidden states of all positions;
+    ``aux`` the residual stream after each requested layer, [F, Q, H] each (for drafters).
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    aux: tuple[torch.Tensor, ...] = ()
 
 
 class ModelRunner:
     """Owns the model and its KV cache; mutates only the cache rows a batch names."""
 
-    def __init__(self, model: LlamaModel, kv: KVCache, device: str = "cpu") -> None:
+    def __init__(
+        self, model: LlamaModel, kv: KVCache, device: str = "cpu", aux_layers: tuple[int, ...] = ()
+    ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
+        self.aux_layers = aux_layers
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunOutput:
+        """A prefill or plain decode step: logits of each forward row's last position."""
         if batch.is_prefill:
             starts, tokens = [0] * len(batch.forward), [r.prompt_ids for r in batch.forward]
         else:
             starts = [r.num_tokens - 1 for r in batch.forward]
             tokens = [[r.last_token] for r in batch.forward]
-        fb, input_ids = self.extend_batch(batch.forward[0].row, starts, tokens)
-        out = self.model(input_ids, fb, self.kv.layers)
+        fb, input_ids = extend_batch(self.kv, batch.forward[0].row, starts, tokens, self.device)
+        out = self.model(input_ids, fb, self.kv.layers, self.aux_layers)
         for src, dst, length in batch.copies:
             self.kv.copy_row(src, dst, length)
         rows = torch.arange(len(tokens), device=self.device)
         last = torch.tensor([len(t) - 1 for t in tokens], device=self.device)
         logits = self.model.logits(out.hidden[rows, last])  # [F, V]
-        return RunOutput(logits=logits, hidden=out.hidden)
+        return RunOutput(logits=logits, hidden=out.hidden, aux=out.aux)
 
-    def extend_batch(
-        self, row_lo: int, starts: list[int], tokens: list[list[int]]
-    ) -> tuple[ForwardBatch, torch.Tensor]:
-        """Rows ``row_lo..`` get ``tokens[b]`` at positions ``starts[b]..``, attending to
-        their first ``starts[b]`` cached columns and causally to each other.
+    @torch.inference_mode()
+    def verify(self, reqs: list[Request], drafts: list[list[int]]) -> RunOutput:
+        """Score each request's last token plus its drafts in one forward.
 
-        One form for prefill (start 0), decode (one token) and verification (last token plus
-        drafts). Returns the batch and input ids [B, Q], right-padded.
+        Row b holds ``[last_token] + drafts[b]`` at positions ``num_tokens - 1 ..``; returns
+        logits of every position [F, K+1, V] (K = longest draft; padding positions are
+        computed and meaningless). The KV of all positions is written; columns past what
+        the caller accepts are simply overwritten later (attention never reads past a
+        row's end).
         """
-        B = len(tokens)
-        lens = torch.tensor([len(t) for t in tokens])  # [B]
-        start = torch.tensor(starts).unsqueeze(1)  # [B, 1]
-        Q = int(lens.max())
-        ids = torch.zeros(B, Q, dtype=torch.long)  # [B, Q]
-        for b, t in enumerate(tokens):
-            ids[b, : len(t)] = torch.tensor(t)
-        cols = torch.arange(Q).unsqueeze(0)  # [1, Q]
-        real = cols < lens.unsqueeze(1)  # [B, Q]
-        positions = (start + cols).clamp(max=self.kv.max_len - 1)  # [B, Q]
-        write_pos = torch.where(real, positions, self.kv.scratch_col)
-        end = start.squeeze(1) + lens  # [B] one past each row's last real column
-        kv_len = int(end.max())
-        mask = None
-        if Q > 1 or int(end.min()) != kv_len:
-            # Key c is visible to query j of row b when c <= start_b + j and c < end_b
-            # (padding columns hidden). Padding queries still see the real keys, so no
-            # softmax row is empty.
-            key = torch.arange(kv_len).view(1, 1, kv_len)  # [1, 1, Kv]
-            causal = key <= (start + cols).unsqueeze(2)  # [B, Q, Kv]
-            mask = (causal & (key < end.view(B, 1, 1))).unsqueeze(1)  # [B, 1, Q, Kv]
-        fb = self._batch(row_lo, positions, write_pos, mask, kv_len)
-        return fb, ids.to(self.device)
+        starts = [r.num_tokens - 1 for r in reqs]
+        tokens = [[r.last_token, *d] for r, d in zip(reqs, drafts, strict=True)]
+        fb, input_ids = extend_batch(self.kv, reqs[0].row, starts, tokens, self.device)
+        out = self.model(input_ids, fb, self.kv.layers, self.aux_layers)
+        F, Q, H = out.hidden.shape
+        logits = self.model.logits(out.hidden.reshape(F * Q, H)).view(F, Q, -1)  # [F, Q, V]
+        return RunOutput(logits=logits, hidden=out.hidden, aux=out.aux)
 
-    def _batch(
-        self,
-        row_lo: int,
-        positions: torch.Tensor,
-        write_pos: torch.Tensor,
-        mask: torch.Tensor | None,
-        kv_len: int,
-    ) -> ForwardBatch:
-        kv_heads, row_len = self.kv.storage.shape[3], self.kv.storage.shape[4]
-        index = flat_write_index(row_lo, write_pos, kv_heads, row_len)
-        d = self.device
-        mask = None if mask is None else mask.to(d)
-        return ForwardBatch(row_lo, positions.to(d), index.to(d), mask, kv_len)
+
+def extend_batch(
+    kv: KVCache, row_lo: int, starts: list[int], tokens: list[list[int]], device: str = "cpu"
+) -> tuple[ForwardBatch, torch.Tensor]:
+    """Rows ``row_lo..`` of ``kv`` get ``tokens[b]`` at positions ``starts[b]..``, attending
+    to their first ``starts[b]`` cached columns and causally to each other.
+
+    One form for prefill (start 0), decode (one token), verification (last token plus
+    drafts) and drafter catch-up. Returns the batch and input ids [B, Q], right-padded.
+    """
+    B = len(tokens)
+    lens = torch.tensor([len(t) for t in tokens])  # [B]
+    start = torch.tensor(starts).unsqueeze(1)  # [B, 1]
+    Q = int(lens.max())
+    ids = torch.zeros(B, Q, dtype=torch.long)  # [B, Q]
+    for b, t in enumerate(tokens):
+        ids[b, : len(t)] = torch.tensor(t)
+    cols = torch.arange(Q).unsqueeze(0)  # [1, Q]
+    real = cols < lens.unsqueeze(1)  # [B, Q]
+    positions = (start + cols).clamp(max=kv.max_len - 1)  # [B, Q]
+    write_pos = torch.where(real, positions, kv.scratch_col)
+    end = start.squeeze(1) + lens  # [B] one past each row's last real column
+    kv_len = int(end.max())
+    mask = None
+    if Q > 1 or int(end.min()) != kv_len:
+        # Key c is visible to query j of row b when c <= start_b + j and c < end_b (padding
+        # columns hidden). Padding queries still see the real keys, so no softmax row is empty.
+        key = torch.arange(kv_len).view(1, 1, kv_len)  # [1, 1, Kv]
+        causal = key <= (start + cols).unsqueeze(2)  # [B, Q, Kv]
+        mask = (causal & (key < end.view(B, 1, 1))).unsqueeze(1)  # [B, 1, Q, Kv]
+    kv_heads, row_len = kv.storage.shape[3], kv.storage.shape[4]
+    index = flat_write_index(row_lo, write_pos, kv_heads, row_len)
+    fb = ForwardBatch(
+        row_lo,
+        positions.to(device),
+        index.to(device),
+        None if mask is None else mask.to(device),
+        kv_len,
+    )
+    return fb, ids.to(device)

@@ -55,11 +55,14 @@ class Sampled:
 @dataclass(frozen=True)
 class Emitted:
     """Per sampler: the tokens a step produced for it, in order (a speculative step can
-    produce several), with their logprobs and optional top logprobs."""
+    produce several), with their logprobs and optional top logprobs. A verify step also
+    says how many tokens each sampler drafted and how many of them were accepted."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     top_logprobs: list[list[TopLogprobs]] | None
+    drafted: list[int] | None = None
+    accepted: list[int] | None = None
 
 
 class Scheduler:
@@ -156,6 +159,8 @@ class Scheduler:
         outputs = []
         for i, req in enumerate(batch.samplers):
             tops = em.top_logprobs[i] if em.top_logprobs is not None else None
+            if em.drafted is not None and em.accepted is not None and em.drafted[i]:
+                req.spec = req.spec.plus(em.drafted[i], em.accepted[i])
             outputs.append(self._append(req, em.token_ids[i], em.logprobs[i], tops, version))
         self._release([r for r in batch.samplers if r.finished])
         return outputs
@@ -217,6 +222,7 @@ class Scheduler:
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached_tokens,
             weight_version=version,
+            spec=req.spec,
         )
 
     def _release(self, done: list[Request]) -> None:

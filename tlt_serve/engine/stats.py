@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tlt_serve.engine.scheduler import ScheduledBatch
+from tlt_serve.engine.outputs import StepOutput
+from tlt_serve.engine.scheduler import Emitted, Sampled, ScheduledBatch
 
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -34,14 +36,29 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     decode_batch_size: int = 0  # sequences in the last decode step
+    spec_steps: int = 0  # decode steps that verified drafts (batched forwards)
+    spec_verifies: int = 0  # sequences verified, summed over those steps
+    spec_drafted: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # draft tokens accepted (excluding correction / bonus tokens)
     step_time: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))
 
     def on_add(self, n: int, prompt_len: int) -> None:
         self.requests += n
         self.prompt_tokens += prompt_len
 
-    def on_step(self, batch: ScheduledBatch, seconds: float) -> None:
-        self.generated_tokens += len(batch.samplers)
+    def on_step(
+        self,
+        batch: ScheduledBatch,
+        emitted: Sampled | Emitted,
+        outputs: Sequence[StepOutput],
+        seconds: float,
+    ) -> None:
+        self.generated_tokens += sum(len(o.token_ids) for o in outputs)
+        if isinstance(emitted, Emitted) and emitted.drafted is not None:
+            self.spec_steps += 1
+            self.spec_verifies += sum(1 for d in emitted.drafted if d)
+            self.spec_drafted += sum(emitted.drafted)
+            self.spec_accepted += sum(emitted.accepted or ())
         if batch.is_prefill:
             self.prefill_steps += 1
         else:

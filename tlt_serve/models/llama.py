@@ -21,16 +21,20 @@ from tlt_serve.models.rope import apply_rope, cos_sin_table
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # K, V, each [S, kvH, L+1, D]
 MatVec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Up to this many rows (a batch-1 verify step: last token + drafts) the own bf16 kernel reads
+# each weight once for all rows; more rows go to the fp32 GEMM (see ``Linear``).
+MATVEC_ROWS = 8
 
 
 class Linear(nn.Linear):
     """nn.Linear with an optional fp32 copy of its weight for batched (M > 1) products.
 
     On CPUs without bf16 matrix units (AVX2 only) torch has no bf16 GEMM: it runs one
-    matrix-vector product per row, ~7x slower than fp32 GEMM at M = 64 (measured here). Its
-    bf16 matrix-vector kernel is fine and reads half the bytes of fp32, so M == 1 stays in bf16
-    and larger batches multiply in fp32 against the same (bf16-valued) weights, accumulating
-    in fp32 as a native bf16 GEMM would.
+    matrix-vector product per row, ~7x slower than fp32 GEMM at M = 64 (measured here). Few
+    rows (decode at batch 1, a batch-1 verify) are memory-bound: the own AVX2 kernel
+    (``matvec``) reads the bf16 weight once for up to MATVEC_ROWS rows. More rows multiply in
+    fp32 against the same (bf16-valued) weights, accumulating in fp32 as a native bf16 GEMM
+    would.
     """
 
     weight_f32: torch.Tensor | None
@@ -38,12 +42,13 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
         self.register_buffer("weight_f32", None, persistent=False)
-        self.matvec: MatVec | None = None  # own bf16 matrix-vector kernel (one row only)
+        self.matvec: MatVec | None = None  # own bf16 kernel for up to MATVEC_ROWS rows
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         out_dtype = out_dtype or x.dtype
-        if self.matvec is not None and x.numel() == x.shape[-1]:
-            y = self.matvec(self.weight, x.reshape(-1).float())  # [N] fp32
+        rows = x.numel() // x.shape[-1]
+        if self.matvec is not None and 1 <= rows <= MATVEC_ROWS:
+            y = self.matvec(self.weight, x.reshape(rows, -1).float())  # [rows, N] fp32
             if self.bias is not None:
                 y = y + self.bias.float()
             return y.view(*x.shape[:-1], -1).to(out_dtype)
@@ -192,19 +197,34 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden, out_dtype=torch.float32)
 
     def set_matvec_kernel(self, matvec: MatVec | None) -> None:
-        """Use ``matvec`` (bf16 weight × fp32 vector → fp32) for single-row products."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.matvec = matvec
+        set_matvec_kernel(self, matvec)
 
     def set_fp32_batch_matmul(self, enabled: bool) -> None:
-        """Keep fp32 copies of all projection weights for M > 1 products (see ``Linear``).
-
-        Call again after weights change (the loader does)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.set_fp32_copy(enabled)
+        set_fp32_copies(self, enabled)
 
     @property
     def fp32_batch_matmul(self) -> bool:
         return self.lm_head.weight_f32 is not None
+
+
+def set_matvec_kernel(module: nn.Module, matvec: MatVec | None) -> None:
+    """Use ``matvec`` (bf16 weight × fp32 rows → fp32) for products of few rows."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.matvec = matvec
+
+
+def set_fp32_copies(module: nn.Module, enabled: bool) -> None:
+    """Keep fp32 copies of all projection weights for M > 1 products (see ``Linear``).
+
+    Call again after weights change (``refresh_fp32_copies``; the loader does)."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.set_fp32_copy(enabled)
+
+
+def refresh_fp32_copies(module: nn.Module) -> None:
+    """Recompute the fp32 copies that exist (after an in-place weight change)."""
+    for m in module.modules():
+        if isinstance(m, Linear) and m.weight_f32 is not None:
+            m.set_fp32_copy(True)

@@ -7,16 +7,17 @@ name, shape, floating dtype) before any parameter is touched, so a bad update ch
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from tlt_serve.kernels import bf16_matvec
 from tlt_serve.models.arch import ArchConfig
-from tlt_serve.models.llama import LlamaModel
+from tlt_serve.models.llama import LlamaModel, refresh_fp32_copies
 from tlt_serve.models.rope import cos_sin_table
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -80,19 +81,30 @@ def param_slot(cfg: ArchConfig, hf_name: str) -> ParamSlot | None:
     raise WeightError(f"unknown weight name {hf_name!r}")
 
 
+SlotOf = Callable[[str], "ParamSlot | None"]
+
+
 def load_weights(
-    model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]], require_all: bool = False
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    require_all: bool = False,
+    slot_of: SlotOf | None = None,
 ) -> int:
     """Copy HF-named tensors into ``model`` in place; returns how many were applied.
 
     Validates everything first: on any WeightError nothing has been modified. With
     ``require_all`` every parameter of the model must be covered (start-up loading).
+    ``slot_of`` maps a checkpoint name to a parameter slot (default: the target's
+    ``param_slot``; drafters bring their own).
     """
+    if slot_of is None:
+        cfg: ArchConfig = model.cfg  # type: ignore[assignment]  # a LlamaModel
+        slot_of = lambda name: param_slot(cfg, name)  # noqa: E731
     params = dict(model.named_parameters())
     plan: list[tuple[torch.Tensor, ParamSlot, torch.Tensor]] = []
     covered: dict[str, int] = {}
     for hf_name, tensor in tensors:
-        slot = param_slot(model.cfg, hf_name)
+        slot = slot_of(hf_name)
         if slot is None:
             continue
         if slot.name not in params:
@@ -119,8 +131,8 @@ def load_weights(
         for target, slot, tensor in plan:
             dst = target if slot.stop is None else target[slot.start : slot.stop]
             dst.copy_(tensor.to(target.dtype))
-    if plan and model.fp32_batch_matmul:
-        model.set_fp32_batch_matmul(True)  # refresh the fp32 copies from the new weights
+    if plan:
+        refresh_fp32_copies(model)  # the fp32 copies must follow the new weights
     return len(plan)
 
 

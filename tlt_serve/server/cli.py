@@ -11,7 +11,15 @@ from types import FrameType
 
 import uvicorn
 
-from tlt_serve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, ServerConfig
+from tlt_serve.config import (
+    SPEC_METHODS,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ServerConfig,
+    SpecConfig,
+)
 from tlt_serve.models.provision import DEFAULT_MODEL
 from tlt_serve.server.app import build_app
 from tlt_serve.server.bridge import EngineClient, EngineStartError
@@ -37,6 +45,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     serve.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
     serve.add_argument("--max-num-seqs", type=int, default=CacheConfig.max_num_seqs)
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--speculative", choices=SPEC_METHODS, default=SpecConfig.method,
+                       help="speculative decoding: n-gram drafts, a drafter checkpoint, or auto "
+                       "(the drafter when --drafter is given, else n-gram)")
+    serve.add_argument("--drafter", default=None, metavar="PATH",
+                       help="drafter checkpoint directory (--speculative drafter / auto)")
+    serve.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
+                       metavar="N", help="most tokens drafted per request per step")
+    serve.add_argument("--spec-max-batch", type=int, default=SpecConfig.max_batch, metavar="N",
+                       help="speculate while at most N sequences run")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
@@ -44,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         engine=EngineConfig(
             model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
             cache=CacheConfig(max_num_seqs=args.max_num_seqs),
+            spec=SpecConfig(
+                method=args.speculative,
+                drafter=args.drafter,
+                num_draft_tokens=args.num_draft_tokens,
+                max_batch=args.spec_max_batch,
+            ),
             seed=args.seed,
         ),
         host=args.host,
@@ -55,8 +78,18 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     try:
         config.validate()
     except ConfigError as err:
-        parser.error(str(err))
+        serve.error(_with_flag(serve, str(err)))  # prints usage, exits 2
     return config
+
+
+def _with_flag(parser: argparse.ArgumentParser, message: str) -> str:
+    """Prefix a ConfigError ("field: ...") with the flag that sets the field, as argparse
+    words its own errors: "argument --num-draft-tokens: num_draft_tokens: must be ..."."""
+    field_name = message.split(":", 1)[0]
+    flag = "--" + field_name.replace("_", "-")
+    if flag in parser._option_string_actions:
+        return f"argument {flag}: {message}"
+    return message
 
 
 class _Server(uvicorn.Server):

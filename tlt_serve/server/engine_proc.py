@@ -34,10 +34,12 @@ from tlt_serve.server.messages import (
     Rejected,
     Reply,
     Shutdown,
+    SpecInfo,
     StatsSnapshot,
     StepBatch,
     ToEngine,
 )
+from tlt_serve.spec.checkpoint import DrafterError
 
 log = logging.getLogger("tlt_serve.engine_proc")
 IDLE_WAIT_S = 0.5  # how long to block for messages when there is nothing to step
@@ -52,6 +54,10 @@ def run_engine(config: EngineConfig, conn: Connection, log_level: str = "info") 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         engine = Engine(config)
+    except DrafterError as err:  # a bad --drafter: the message says what, no traceback needed
+        log.error("engine start-up failed: %s", err)
+        conn.send(Failed(f"{type(err).__name__}: {err}"))
+        return
     except Exception as err:  # any start-up failure must reach the parent, never hang it
         log.exception("engine start-up failed")
         conn.send(Failed(f"{type(err).__name__}: {err}"))
@@ -208,7 +214,7 @@ class EngineLoop:
 
     # ---- reports -----------------------------------------------------------------------
     def info(self) -> EngineInfo:
-        cfg = self.engine.config
+        cfg, spec = self.engine.config, self.engine.spec
         return EngineInfo(
             model=cfg.model.model,
             model_path=str(self.engine.model_path),
@@ -219,6 +225,13 @@ class EngineLoop:
             max_waiting=cfg.scheduler.max_waiting,
             eos_ids=tuple(sorted(self.engine.tokenizer.eos_ids)),
             weight_version=self.version,
+            spec=SpecInfo(
+                method=spec.config.method,
+                proposer=spec.proposer_name,
+                num_draft_tokens=spec.config.num_draft_tokens,
+                max_batch=spec.config.max_batch,
+                drafter=spec.config.drafter,
+            ),
         )
 
     def snapshot(self) -> StatsSnapshot:
@@ -239,5 +252,9 @@ class EngineLoop:
             step_count=s.step_time.n,
             weight_version=self.version,
             paused=self.paused,
+            spec_steps=s.spec_steps,
+            spec_drafted=s.spec_drafted,
+            spec_accepted=s.spec_accepted,
+            spec_verifies=s.spec_verifies,
         )
 

@@ -55,6 +55,21 @@ ToEngine = AddRequest | Abort | AbortAll | Control | Shutdown
 
 
 @dataclass(frozen=True)
+class SpecInfo:
+    """The speculative-decoding settings the engine runs with (``SpecConfig``, resolved)."""
+
+    method: str = "off"  # off | ngram | drafter | auto, as configured
+    proposer: str = "none"  # what ``method`` resolved to: none | ngram | drafter
+    num_draft_tokens: int = 0
+    max_batch: int = 0  # speculate while at most this many sequences run
+    drafter: str | None = None  # drafter checkpoint directory
+
+    @property
+    def enabled(self) -> bool:
+        return self.proposer != "none"
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """Static facts the front end needs to validate requests without a round trip."""
 
@@ -67,6 +82,7 @@ class EngineInfo:
     max_waiting: int
     eos_ids: tuple[int, ...]
     weight_version: str
+    spec: SpecInfo = SpecInfo()
 
 
 @dataclass(frozen=True)
@@ -108,6 +124,10 @@ class StatsSnapshot:
     step_count: int
     weight_version: str
     paused: bool
+    spec_steps: int = 0  # decode steps (batched forwards) that verified drafts
+    spec_verifies: int = 0  # sequences that verified drafts, summed over those steps
+    spec_drafted: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # draft tokens accepted (excluding correction / bonus tokens)
 
 
 @dataclass(frozen=True)

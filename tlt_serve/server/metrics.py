@@ -33,6 +33,18 @@ def render_metrics(stats: StatsSnapshot | None, alive: bool, in_flight: int, mod
     metric("last_decode_batch_size", "gauge", "Sequences in the last decode step.",
            stats.batch_size)
     metric("paused", "gauge", "1 while generation is paused.", int(stats.paused))
+    metric("spec_verify_steps_total", "counter",
+           "Decode steps (batched forwards) that verified draft tokens.", stats.spec_steps)
+    metric("spec_sequence_verifies_total", "counter",
+           "Sequences that verified draft tokens, summed over verify steps.", stats.spec_verifies)
+    metric("spec_draft_tokens_total", "counter", "Draft tokens proposed for verification.",
+           stats.spec_drafted)
+    metric("spec_accepted_tokens_total", "counter",
+           "Draft tokens accepted (excluding correction / bonus tokens).", stats.spec_accepted)
+    metric("spec_accept_length", "gauge",
+           "Accepted draft tokens per sequence per verify step since start (excluding the "
+           "bonus token), as meta_info's spec_accept_length.",
+           stats.spec_accepted / stats.spec_verifies if stats.spec_verifies else 0.0)
     name = f"{PREFIX}_step_time_seconds"
     lines.append(f"# HELP {name} Engine step (forward + sampling) wall time.")
     lines.append(f"# TYPE {name} histogram")

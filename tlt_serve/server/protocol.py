@@ -107,6 +107,11 @@ class MetaInfo(Struct):
     e2e_latency: float
     output_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
     output_top_logprobs: list[list[LogprobEntry]] | UnsetType = UNSET
+    # Only when the server speculates (as SGLang). accept_length: mean accepted drafts per
+    # verify step, EXCLUDING the bonus token; accept_rate: accepted / drafted tokens.
+    spec_accept_length: float | UnsetType = UNSET
+    spec_verify_ct: int | UnsetType = UNSET
+    spec_accept_rate: float | UnsetType = UNSET
 
 
 class GenerateOut(Struct):

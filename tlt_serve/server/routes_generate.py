@@ -84,6 +84,10 @@ class _Formatter:
             weight_versions=r.weight_versions,  # encoded before the next output mutates it
             e2e_latency=book.elapsed(),
         )
+        if self.st.info.spec.enabled:
+            meta.spec_accept_length = r.spec.accept_length
+            meta.spec_verify_ct = r.spec.verify_ct
+            meta.spec_accept_rate = r.spec.accept_rate
         if params.logprobs:
             texts = self._texts(r.token_ids)
             meta.output_token_logprobs = [

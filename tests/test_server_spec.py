@@ -1,0 +1,148 @@
+"""Speculative decoding through the server: the CLI flags, lossless greedy outputs against a
+plain server, SGLang's spec_* meta_info, /get_server_info, /metrics, and start-up errors."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_server_harness import Served, serve, sse_events
+from tlt_serve.server.cli import main, parse_args
+
+SPEC_FLAGS = ["--speculative", "ngram", "--spec-max-batch", "64"]
+PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?", "Bonjour, ça va?"]
+GREEDY_LONG = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+SPEC_META = ("spec_accept_length", "spec_verify_ct", "spec_accept_rate")
+
+
+@pytest.fixture(scope="module")
+def spec_served(tiny_model_dir: Path) -> Iterator[Served]:
+    """The tiny model served with n-gram speculation, configured through the CLI parser."""
+    spec = parse_args(["serve", *SPEC_FLAGS]).engine.spec
+    s = serve(tiny_model_dir, spec=spec)
+    yield s
+    s.stop()
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^tlt_serve_{name}{{[^}}]*}} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def generate_batch(s: Served, **extra: object) -> list[dict]:
+    with s.http() as http:
+        resp = http.post("/generate", json={"text": PROMPTS, "sampling_params": GREEDY_LONG,
+                                            **extra})
+    assert resp.status_code == 200, resp.text
+    out: list[dict] = resp.json()
+    return out
+
+
+# ---- CLI --------------------------------------------------------------------------------
+
+
+def test_cli_spec_flags_build_spec_config() -> None:
+    cfg = parse_args(["serve", "--speculative", "drafter", "--drafter", "/d",
+                      "--num-draft-tokens", "6", "--spec-max-batch", "3"]).engine.spec
+    assert (cfg.method, cfg.drafter, cfg.num_draft_tokens, cfg.max_batch) == (
+        "drafter", "/d", 6, 3)
+    assert parse_args(["serve"]).engine.spec.method == "off"
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    (["--speculative", "drafter"], ("--drafter", "drafter:")),
+    (["--num-draft-tokens", "0"], ("--num-draft-tokens", "num_draft_tokens")),
+    (["--spec-max-batch", "0"], ("--spec-max-batch", "spec_max_batch")),
+    (["--speculative", "eagle"], ("--speculative", "eagle")),
+])
+def test_cli_bad_spec_values_exit_with_the_flag_named(argv, names, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["serve", *argv])
+    assert exc.value.code != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for name in names:
+        assert name in err
+
+
+def test_cli_missing_drafter_checkpoint_refuses_to_start(tiny_model_dir, tmp_path, capsys) -> None:
+    """The engine process fails on the checkpoint (DrafterError): ``serve`` reports it and
+    returns 1 before any HTTP server is bound."""
+    missing = tmp_path / "nonexistent-drafter"
+    code = main(["serve", "--model", str(tiny_model_dir), "--port", "0", "--dtype", "float32",
+                 "--max-model-len", "256", "--max-num-seqs", "4", "--log-level", "critical",
+                 "--speculative", "drafter", "--drafter", str(missing)])
+    out = capsys.readouterr()
+    assert code == 1
+    assert "engine failed to start" in out.err and "DrafterError" in out.err
+    assert str(missing) in out.err
+    assert "tlt-serve ready" not in out.out
+
+
+# ---- a speculating server ---------------------------------------------------------------
+
+
+def test_ngram_greedy_outputs_equal_plain_server(served, spec_served) -> None:
+    plain = generate_batch(served)
+    spec = generate_batch(spec_served)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert [o["text"] for o in spec] == [o["text"] for o in plain]
+    for o in plain:
+        assert not set(SPEC_META) & set(o["meta_info"])  # only when the server speculates
+    metas = [o["meta_info"] for o in spec]
+    assert any(m["spec_verify_ct"] > 0 for m in metas)
+    for m in metas:
+        assert m["completion_tokens"] == 40
+        assert 0.0 <= m["spec_accept_rate"] <= 1.0
+        assert 0.0 <= m["spec_accept_length"] <= 4  # at most num_draft_tokens per step
+        # The prefill commits one token, each verify step accepted + 1: never more than 40.
+        accepted = round(m["spec_accept_length"] * m["spec_verify_ct"])
+        assert 1 + m["spec_verify_ct"] + accepted <= m["completion_tokens"]
+    assert any(m["spec_accept_length"] > 0 for m in metas), "random tiny models repeat"
+
+
+def test_streaming_meta_info_carries_spec_counts(spec_served) -> None:
+    body = {"text": PROMPTS[0], "sampling_params": GREEDY_LONG, "stream": True}
+    with spec_served.http() as http, http.stream("POST", "/generate", json=body) as resp:
+        events = sse_events(resp.iter_lines())
+    for e in events:
+        assert set(SPEC_META) <= set(e["meta_info"])
+    last = events[-1]["meta_info"]
+    assert last["completion_tokens"] == 40
+    counts = [e["meta_info"]["spec_verify_ct"] for e in events]
+    assert counts == sorted(counts)  # cumulative
+
+
+def test_server_info_and_metrics_report_speculation(served, spec_served) -> None:
+    names = ("spec_verify_steps_total", "spec_sequence_verifies_total",
+             "spec_draft_tokens_total", "spec_accepted_tokens_total")
+    with spec_served.http() as http:
+        before = {n: metric(http.get("/metrics").text, n) for n in names}
+        metas = [o["meta_info"] for o in generate_batch(spec_served)]
+        info = http.get("/get_server_info").json()
+        text = http.get("/metrics").text
+    assert info["engine_info"]["spec"] == {
+        "method": "ngram", "proposer": "ngram", "num_draft_tokens": 4, "max_batch": 64,
+        "drafter": None,
+    }
+    assert info["stats"]["spec_steps"] > 0
+    steps, verifies, drafted, accepted = (metric(text, n) - before[n] for n in names)
+    assert 0 < steps <= verifies and 0 <= accepted <= drafted
+    # The counters add up the requests' own counts (the batch is all that ran meanwhile).
+    assert verifies == sum(m["spec_verify_ct"] for m in metas)
+    assert accepted == sum(round(m["spec_accept_length"] * m["spec_verify_ct"]) for m in metas)
+    # Per sequence and verify step, like meta_info: never above num_draft_tokens.
+    total_accepted = metric(text, "spec_accepted_tokens_total")
+    total_verifies = metric(text, "spec_sequence_verifies_total")
+    assert metric(text, "spec_accept_length") == pytest.approx(total_accepted / total_verifies)
+    assert metric(text, "spec_accept_length") <= 4
+    with served.http() as http:
+        info = http.get("/get_server_info").json()
+        text = http.get("/metrics").text
+    assert info["engine_info"]["spec"]["method"] == "off"
+    assert info["engine_info"]["spec"]["proposer"] == "none"
+    assert metric(text, "spec_verify_steps_total") == 0

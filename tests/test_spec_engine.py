@@ -1,0 +1,312 @@
+"""Speculative decoding inside the engine: exact greedy output, the target's sampling
+distribution, target logprobs, the batch-size switch, and refusing bad drafters."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny import make_tiny_drafter
+from tlt_serve import LLM, SamplingParams
+from tlt_serve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SpecConfig
+from tlt_serve.spec.checkpoint import DrafterError
+
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):",
+    "What is 12 + 7? Let me think step by step.",
+    "Bonjour",
+    "Speculative decoding drafts tokens cheaply and verifies them in one forward pass. " * 2,
+]
+
+
+def make_llm(path: Path, spec: SpecConfig | None = None, rows: int = 8, max_len: int = 256) -> LLM:
+    return LLM(
+        config=EngineConfig(
+            model=ModelConfig(model=str(path), dtype="float32", max_model_len=max_len),
+            cache=CacheConfig(max_num_seqs=rows),
+            spec=spec or SpecConfig(),
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafters")
+    return {
+        "plain": make_tiny_drafter(tiny_model_dir, root / "plain", seed=1),
+        "fused": make_tiny_drafter(tiny_model_dir, root / "fused", seed=2, feature_layers=(0, 1)),
+        "sliced": make_tiny_drafter(tiny_model_dir, root / "sliced", seed=3, draft_vocab_size=64),
+    }
+
+
+def spec_configs(drafters: dict[str, Path], **kw: int) -> dict[str, SpecConfig]:
+    out = {"ngram": SpecConfig(method="ngram", **kw)}
+    for name, path in drafters.items():
+        out[f"drafter-{name}"] = SpecConfig(method="drafter", drafter=str(path), **kw)
+    out["auto"] = SpecConfig(method="auto", drafter=str(drafters["plain"]), **kw)
+    return out
+
+
+def varied_params() -> list[SamplingParams]:
+    """Greedy, different lengths so the batch shrinks while it runs."""
+    return [
+        SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True)
+        for n in (40, 7, 64, 23, 50)
+    ]
+
+
+@pytest.mark.parametrize(
+    "name", ["ngram", "drafter-plain", "drafter-fused", "drafter-sliced", "auto"]
+)
+def test_greedy_output_and_logprobs_equal_plain_decoding(tiny_model_dir, drafters, name) -> None:
+    params = varied_params()
+    plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
+    llm = make_llm(tiny_model_dir, spec_configs(drafters, max_batch=8)[name])
+    batched = llm.generate(PROMPTS, params)
+    alone = [llm.generate([p], [sp])[0] for p, sp in zip(PROMPTS, params, strict=True)]
+    for ref, got_b, got_1 in zip(plain, batched, alone, strict=True):
+        r, b, one = ref.samples[0], got_b.samples[0], got_1.samples[0]
+        assert b.token_ids == r.token_ids == one.token_ids
+        torch.testing.assert_close(b.logprobs, r.logprobs, atol=1e-4, rtol=0)
+        torch.testing.assert_close(one.logprobs, r.logprobs, atol=1e-4, rtol=0)
+    stats = llm.engine.stats
+    assert stats.spec_steps > 0 and 0 < stats.spec_accepted <= stats.spec_drafted
+    counts = [g.samples[0].spec for g in batched]
+    assert sum(c.verify_ct for c in counts) > 0
+    assert all(c.accepted <= c.drafted for c in counts)
+    assert stats.generated_tokens == 2 * sum(p.max_new_tokens for p in params)
+
+
+def test_switching_on_and_off_mid_generation_stays_exact(tiny_model_dir, drafters) -> None:
+    """max_batch 2: a lone request speculates, four more join (plain steps at batch 5), and
+    as they finish speculation comes back; the drafter catches up from stored features."""
+    params = varied_params()
+    for spec in spec_configs(drafters, max_batch=2).values():
+        plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
+        eng = make_llm(tiny_model_dir, spec).engine
+        ids = [eng.tokenizer.encode(p) for p in PROMPTS]
+        tokens: dict[str, list[int]] = {}
+        eng.add_request("r0", ids[0], params[0])
+        batch_sizes, spec_steps = [], []
+        for step in range(400):
+            if step == 6:
+                for i in range(1, 5):
+                    eng.add_request(f"r{i}", ids[i], params[i])
+            before = eng.stats.spec_steps
+            running = len(eng.scheduler.running)
+            for out in eng.step():
+                tokens.setdefault(out.rid, []).extend(out.token_ids)
+            batch_sizes.append(running)
+            spec_steps.append(eng.stats.spec_steps > before)
+            if not eng.has_work():
+                break
+        for i, ref in enumerate(plain):
+            assert tokens[f"r{i}"] == ref.samples[0].token_ids, spec
+        on = [s for s, b in zip(spec_steps, batch_sizes, strict=True) if b > 2]
+        assert not any(on), "never speculates above max_batch"
+        first_big = batch_sizes.index(5)
+        assert any(spec_steps[:first_big]) and any(spec_steps[first_big:])
+
+
+def test_group_samples_and_stop_strings_with_speculation(tiny_model_dir, drafters) -> None:
+    base = make_llm(tiny_model_dir)
+    text = base.generate([PROMPTS[0]], SamplingParams(max_new_tokens=30, temperature=0.0))
+    stop = base.tokenizer.decode(text[0].samples[0].token_ids[12:14]).strip()
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, n=3, stop=[stop] if stop else [])
+    ref = base.generate(PROMPTS[:2], params)
+    for spec in spec_configs(drafters).values():
+        got = make_llm(tiny_model_dir, spec).generate(PROMPTS[:2], params)
+        for r, g in zip(ref, got, strict=True):
+            assert [s.token_ids for s in g.samples] == [s.token_ids for s in r.samples]
+            assert [s.text for s in g.samples] == [s.text for s in r.samples]
+            assert [s.finish for s in g.samples] == [s.finish for s in r.samples]
+
+
+def test_drafts_never_run_past_limits(tiny_model_dir, drafters) -> None:
+    """max_new_tokens 1 never drafts; a row near max_model_len drafts only what fits."""
+    spec = SpecConfig(method="drafter", drafter=str(drafters["plain"]), num_draft_tokens=8)
+    llm = make_llm(tiny_model_dir, spec, max_len=48)
+    one = llm.generate(PROMPTS[:4], SamplingParams(max_new_tokens=1, temperature=0.0))
+    assert all(len(g.samples[0].token_ids) == 1 for g in one)
+    assert llm.engine.stats.spec_steps == 0
+    prompt = llm.tokenizer.encode(PROMPTS[4])[:40]
+    params = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    got = llm.generate([prompt], params)[0].samples[0]
+    ref = make_llm(tiny_model_dir, max_len=48).generate([prompt], params)[0].samples[0]
+    assert got.token_ids == ref.token_ids and len(got.token_ids) == 48 - 40
+    assert got.finish is not None and got.finish.type == "length"
+
+
+def test_abort_while_speculating_frees_state(tiny_model_dir, drafters) -> None:
+    spec = SpecConfig(method="drafter", drafter=str(drafters["plain"]))
+    eng = make_llm(tiny_model_dir, spec).engine
+    params = SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add_request(f"r{i}", eng.tokenizer.encode(p), params)
+    for _ in range(4):
+        eng.step()
+    assert [o.finish.type for o in eng.abort("r1") if o.finish] == ["abort"]
+    while eng.has_work():
+        eng.step()
+    proposer = eng.spec.proposers["drafter"]
+    assert not proposer._states  # type: ignore[attr-defined]  # every request released
+
+
+def _two_sample_chi2(a: Counter[int], b: Counter[int]) -> tuple[float, int]:
+    """Chi-square statistic and degrees of freedom for two samples of equal size,
+    pooling categories with fewer than 10 expected counts."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    big = [k for k in keys if (a[k] + b[k]) / 2 >= 10]
+    rest_a = sum(a[k] for k in keys if k not in big)
+    rest_b = sum(b[k] for k in keys if k not in big)
+    pairs = [(a[k], b[k]) for k in big] + ([(rest_a, rest_b)] if rest_a + rest_b else [])
+    stat = sum((x - y) ** 2 / (x + y) for x, y in pairs if x + y)
+    return stat, len(pairs) - 1
+
+
+# 99.9th percentile of chi-square; dof up to 60 covers these tests.
+def _chi2_crit(dof: int) -> float:
+    # Wilson-Hilferty approximation of the 0.999 quantile.
+    z = 3.0902
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def _spec_vs_plain_chi2(model_dir: Path, drafter: Path, params: SamplingParams) -> float:
+    """Many samples of one prompt with and without speculation; returns the largest
+    chi-square / critical value (0.1%) over output positions 1..3 (those go through
+    verification). Below 1: no detectable difference."""
+    n = 1500
+    batch = SamplingParams(**{**params.__dict__, "n": 50})
+    spec = SpecConfig(method="drafter", drafter=str(drafter), max_batch=64)
+    runs = {}
+    for name, cfg in [("plain", None), ("spec", spec)]:
+        llm = make_llm(model_dir, cfg, rows=50)
+        runs[name] = [
+            s for _ in range(n // 50) for s in llm.generate([PROMPTS[2]], batch)[0].samples
+        ]
+        if cfg is not None:
+            assert llm.engine.stats.spec_accepted > 0
+    worst = 0.0
+    for pos in range(1, 4):
+        a = Counter(s.token_ids[pos] for s in runs["plain"])
+        b = Counter(s.token_ids[pos] for s in runs["spec"])
+        stat, dof = _two_sample_chi2(a, b)
+        assert dof >= 1
+        worst = max(worst, stat / _chi2_crit(dof))
+    return worst
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=1.3, top_k=20, min_p=0.02, max_new_tokens=4, ignore_eos=True),
+    ],
+)
+def test_sampled_tokens_keep_the_target_distribution(tiny_model_dir, drafters, params) -> None:
+    assert _spec_vs_plain_chi2(tiny_model_dir, drafters["plain"], params) < 1.0
+
+
+def test_the_same_test_catches_a_biased_verifier(tiny_model_dir, drafters, monkeypatch) -> None:
+    """Control: a verifier that accepts every draft with nonzero target probability (it
+    treats q(d) as 0) must fail the test above."""
+    import tlt_serve.spec.decoder as decoder
+
+    real = decoder.verify_chain
+
+    def biased(drafts, generators=None, shared=None):  # type: ignore[no-untyped-def]
+        B, K = drafts.draft_tokens.shape
+        V = drafts.target_logits.shape[-1]
+        zero_q = replace(drafts, draft_probs=torch.zeros(B, K, V))
+        return real(zero_q, generators, shared)
+
+    monkeypatch.setattr(decoder, "verify_chain", biased)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
+    assert _spec_vs_plain_chi2(tiny_model_dir, drafters["plain"], params) > 1.0
+
+
+# ---- bad drafters and settings -------------------------------------------------------------
+
+
+def test_bad_drafter_checkpoints_are_refused_with_the_reason(
+    tiny_model_dir, tiny_model_factory, drafters, tmp_path
+) -> None:
+    def refused(path: Path, match: str) -> None:
+        spec = SpecConfig(method="drafter", drafter=str(path))
+        with pytest.raises(DrafterError, match=match):
+            make_llm(tiny_model_dir, spec)
+
+    refused(tmp_path / "missing", "not a directory")
+    (tmp_path / "empty").mkdir()
+    refused(tmp_path / "empty", "no config.json")
+    other = make_tiny_drafter(tiny_model_factory("qwen3"), tmp_path / "qwen3")
+    refused(other, "model_type qwen3 != target's llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(drafters["plain"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["hidden_size"] = 32
+    (bad / "config.json").write_text(json.dumps(cfg))
+    refused(bad, "hidden_size 32 != target's 64")
+    cfg["hidden_size"], cfg["tlt_drafter"]["feature_layers"] = 64, [0, 7]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    refused(bad, r"feature_layers \[7\]")
+    (bad / "config.json").write_text("{not json")
+    refused(bad, "unreadable config.json")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(drafters["plain"], corrupt)
+    data = (corrupt / "model.safetensors").read_bytes()
+    (corrupt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    refused(corrupt, "unreadable weights")
+    extra = tmp_path / "extra"
+    shutil.copytree(drafters["plain"], extra)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(extra / "model.safetensors"))
+    tensors["layers.0.input_layernorm.weight"] = torch.ones(64)
+    save_file(tensors, str(extra / "model.safetensors"))
+    refused(extra, "input_layernorm")
+    del tensors["layers.0.input_layernorm.weight"], tensors["fc.bias"]
+    save_file(tensors, str(extra / "model.safetensors"))
+    refused(extra, "missing weights")
+
+
+def test_drafter_checkpoint_round_trips(tiny_model_dir, drafters, tmp_path) -> None:
+    from tlt_serve.models.loader import build_model
+    from tlt_serve.spec.checkpoint import drafter_tensors, load_drafter, save_drafter
+
+    target = build_model(tiny_model_dir, torch.float32, 256)
+    for path in drafters.values():
+        d = load_drafter(path, target)
+        again = load_drafter(
+            save_drafter(
+                d, tmp_path / path.name, json.loads((path / "config.json").read_text()), d.spec
+            ),
+            target,
+        )
+        a, b = drafter_tensors(d), drafter_tensors(again)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (SpecConfig(method="eagle"), "speculative"),
+        (SpecConfig(method="drafter"), "drafter"),
+        (SpecConfig(method="ngram", num_draft_tokens=0), "num_draft_tokens"),
+        (SpecConfig(method="ngram", num_draft_tokens=99), "num_draft_tokens"),
+        (SpecConfig(method="ngram", max_batch=0), "spec_max_batch"),
+        (SpecConfig(method="ngram", ngram_min_n=3, ngram_max_n=2), "ngram_min_n"),
+    ],
+)
+def test_invalid_speculation_settings_name_the_field(spec, field) -> None:
+    with pytest.raises(ConfigError, match=f"^{field}"):
+        EngineConfig(spec=spec).validate()

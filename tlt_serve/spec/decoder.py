@@ -1,0 +1,161 @@
+"""The engine's speculation step: when to draft, how many tokens, verify, feed the proposers.
+
+``plan`` decides per decode batch: the policy (``spec/policy.py``) picks a strategy — plain
+decoding, or a proposer and a chain depth — for the running batch size (nothing speculates above
+``max_batch``; under ``auto`` a bandit learns per batch-size bucket which strategy commits the
+most tokens per second); a step without drafts is a plain step. Each request's draft is capped
+so it never runs past ``max_new_tokens`` or the KV row. ``verify`` turns the target's logits
+over [last token + drafts] into the tokens each request commits (``verify_chain``: exact for
+greedy, rejection sampling otherwise). ``observe`` hands the proposers the target features of
+every committed position, from every forward (prefill, plain decode, verify), so a drafter is
+always ready to catch up. ``end_step`` releases finished requests and rewards the strategy with
+the step's measured tokens per second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tlt_serve.config import SpecConfig
+from tlt_serve.engine.outputs import StepOutput
+from tlt_serve.engine.request import Request
+from tlt_serve.engine.runner import RunOutput
+from tlt_serve.engine.scheduler import Emitted, Sampled, ScheduledBatch
+from tlt_serve.models.llama import LlamaModel
+from tlt_serve.spec.checkpoint import load_drafter
+from tlt_serve.spec.drafter_proposer import DrafterProposer
+from tlt_serve.spec.ngram import NgramConfig
+from tlt_serve.spec.policy import PLAIN, Strategy, StrategyBandit
+from tlt_serve.spec.proposer import NgramDrafts, NoProposer, Proposer
+from tlt_serve.spec.verify import ChainDrafts, verify_chain
+
+
+class SpecDecoder:
+    def __init__(
+        self,
+        config: SpecConfig,
+        proposers: dict[str, Proposer],
+        policy: StrategyBandit,
+        max_len: int,
+        feature_layers: tuple[int, ...] = (),
+    ) -> None:
+        self.config = config
+        self.proposers = proposers
+        self.policy = policy
+        self.max_len = max_len
+        self.feature_layers = feature_layers
+        self._strategy = PLAIN  # what the current step runs (rewarded in end_step)
+
+    @property
+    def enabled(self) -> bool:
+        return len(self.proposers) > 1
+
+    @property
+    def proposer_name(self) -> str:
+        """none | ngram | drafter | auto (several, chosen per step)."""
+        names = [n for n in self.proposers if n != PLAIN.proposer]
+        return "none" if not names else names[0] if len(names) == 1 else "auto"
+
+    def plan(self, batch: ScheduledBatch) -> list[list[int]] | None:
+        """Draft tokens per request of a decode batch, or None for a plain step."""
+        self._strategy = PLAIN
+        if batch.is_prefill:
+            return None
+        self._strategy = strategy = self.policy.choose(len(batch.forward))
+        ks = [self._room(r, strategy.depth) for r in batch.forward]
+        drafts = self.proposers[strategy.proposer].propose(batch.forward, ks)
+        return drafts if any(drafts) else None
+
+    def _room(self, req: Request, depth: int) -> int:
+        """Drafts worth verifying: the step also commits one more token, and the drafts'
+        KV must fit the row."""
+        left = req.params.max_new_tokens - len(req.output_ids) - 1
+        return max(0, min(depth, left, self.max_len - req.num_tokens))
+
+    def verify(
+        self,
+        run: RunOutput,
+        drafts: list[list[int]],
+        reqs: Sequence[Request],
+        shared: torch.Generator,
+    ) -> Emitted:
+        """run.logits [B, K+1, V] over [last token + drafts] → what each request commits."""
+        B, K = len(drafts), max(len(d) for d in drafts)
+        tokens = torch.zeros(B, K, dtype=torch.long)  # [B, K]
+        for b, d in enumerate(drafts):
+            tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
+        result = verify_chain(
+            ChainDrafts(
+                target_logits=run.logits[:, : K + 1],
+                draft_tokens=tokens,
+                num_drafts=torch.tensor([len(d) for d in drafts]),
+                params=tuple(r.params for r in reqs),
+            ),
+            generators=[r.generator for r in reqs],
+            shared=shared,
+        )
+        return Emitted(
+            result.token_ids,
+            result.logprobs,
+            result.top_logprobs,
+            drafted=[len(d) for d in drafts],
+            accepted=result.num_accepted,
+        )
+
+    def observe(self, batch: ScheduledBatch, run: RunOutput, emitted: Sampled | Emitted) -> None:
+        """Give drafters the features of each sampler's newly committed positions."""
+        takers = [p for p in self.proposers.values() if p.needs_features]
+        if not takers:
+            return
+        feats = torch.cat(run.aux, dim=-1) if self.feature_layers else run.hidden  # [F, Q, *]
+        for i, req in enumerate(batch.samplers):
+            if batch.is_prefill:
+                m = len(req.prompt_ids)  # siblings read their leader's row
+            else:
+                m = len(emitted.token_ids[i]) if isinstance(emitted, Emitted) else 1
+            f = feats[batch.logit_index[i], :m].clone()  # [m, F]
+            for p in takers:
+                p.observe(req, f)
+
+    def end_step(
+        self, batch: ScheduledBatch, outputs: Sequence[StepOutput], seconds: float
+    ) -> None:
+        """Release finished requests; reward a decode step's strategy with its tokens/s."""
+        self.release([r for r in batch.samplers if r.finished])
+        if not batch.is_prefill:
+            tokens = sum(len(o.token_ids) for o in outputs)
+            self.policy.update(len(batch.forward), self._strategy, tokens, seconds)
+
+    def release(self, reqs: Sequence[Request]) -> None:
+        for req in reqs:
+            for p in self.proposers.values():
+                p.release(req)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for p in self.proposers.values():
+            p.move_row(src, dst, length)
+
+
+def build_spec_decoder(
+    config: SpecConfig, target: LlamaModel, rows: int, max_len: int, seed: int = 0
+) -> SpecDecoder:
+    """The proposers and policy ``config`` names, ready for a target (loads and checks a
+    drafter). ``auto``: a bandit over plain decoding and each proposer at several depths."""
+    proposers: dict[str, Proposer] = {PLAIN.proposer: NoProposer()}  # the baseline, always
+    feature_layers: tuple[int, ...] = ()
+    kind = config.proposer
+    if kind != "none" and (config.method == "auto" or kind == "ngram"):
+        proposers["ngram"] = NgramDrafts(NgramConfig(config.ngram_min_n, config.ngram_max_n))
+    if kind == "drafter":
+        drafter = load_drafter(str(config.drafter), target)
+        proposers["drafter"] = DrafterProposer(drafter, rows, max_len)
+        feature_layers = drafter.spec.feature_layers
+    if config.method == "auto":
+        depths = config.auto_depths
+        arms = [PLAIN, *(Strategy(p, d) for p in proposers if p != "none" for d in depths)]
+    else:  # one proposer at one depth below max_batch (or plain decoding throughout)
+        arms = [Strategy(p, config.num_draft_tokens) for p in proposers if p != "none"]
+    policy = StrategyBandit(arms, config.max_batch, seed=seed)
+    return SpecDecoder(config, proposers, policy, max_len, feature_layers)

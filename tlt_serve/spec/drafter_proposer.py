@@ -1,0 +1,105 @@
+"""Chain drafts from an EAGLE-style drafter, with its own KV cache and lazy catch-up.
+
+Per request the drafter's KV holds pairs (f_i, x_{i+1}) for i < ``done``. The engine hands
+over the target features of every forward (``observe``); they wait in ``pending`` until the
+next ``propose``, which first runs ONE batched drafter forward over all pending pairs (the
+catch-up), then drafts autoregressively. So speculation can switch on at any point of a
+generation (after a prompt, or after hundreds of plain decode steps at a large batch) without
+re-running the target: the drafter catches up from hidden states the engine already had.
+
+Rows follow the target's: request ``r`` uses drafter KV row ``r.row`` and ``move_row`` mirrors
+the scheduler's compaction. Drafted positions write KV columns past ``done``; the next
+catch-up overwrites them before anything reads them (attention never reads past a row's end).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tlt_serve.engine.kv_cache import KVCache
+from tlt_serve.engine.request import Request
+from tlt_serve.engine.runner import extend_batch
+from tlt_serve.spec.drafter import DrafterModel
+
+
+@dataclass
+class _State:
+    done: int = 0  # pairs already in the drafter KV (positions 0..done-1)
+    pending: list[torch.Tensor] = field(default_factory=list)  # features of done.., [m, F] each
+
+
+class DrafterProposer:
+    name = "drafter"
+    needs_features = True
+
+    def __init__(self, drafter: DrafterModel, rows: int, max_len: int) -> None:
+        weight = drafter.fc.weight
+        self.drafter = drafter
+        self.device = str(weight.device)
+        self.kv = KVCache(drafter.cfg, rows, max_len, weight.dtype, self.device)
+        self._states: dict[str, _State] = {}
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.drafter.spec.feature_layers
+
+    def observe(self, req: Request, features: torch.Tensor) -> None:
+        self._states.setdefault(req.rid, _State()).pending.append(features)
+
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+        K = max(ks, default=0)
+        if K == 0:
+            return [[] for _ in reqs]
+        B, row_lo, kv = len(reqs), reqs[0].row, self.kv.layers[0]
+        last = self._catch_up(reqs)  # [B, H] predicted feature after each last committed token
+        drafts = []
+        for j in range(K):
+            index = self.drafter.draft_logits(last).argmax(dim=-1)  # [B]
+            token = self.drafter.to_token_ids(index)  # [B]
+            drafts.append(token)
+            if j == K - 1:
+                break
+            # Pair (f̂, d_j) sits at position num_tokens - 1 + j.
+            starts = [r.num_tokens - 1 + j for r in reqs]
+            fb, ids = extend_batch(
+                self.kv, row_lo, starts, [[t] for t in token.tolist()], self.device
+            )
+            last = self.drafter(ids, last.unsqueeze(1), fb, kv, fused=True)[:, 0]  # [B, H]
+        table = torch.stack(drafts, dim=1).tolist()  # [B, K]
+        return [table[b][: ks[b]] for b in range(B)]
+
+    def _catch_up(self, reqs: Sequence[Request]) -> torch.Tensor:
+        """Run all pending pairs through the drafter; returns each row's last output [B, H]."""
+        starts, tokens, feats = [], [], []
+        for r in reqs:
+            st = self._states[r.rid]
+            f = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]  # [m, F]
+            m = f.shape[0]
+            if st.done + m != r.num_tokens - 1:
+                raise RuntimeError(f"drafter out of sync for {r.rid}: {st.done}+{m} pairs")
+            starts.append(st.done)
+            tokens.append(_tokens(r, st.done + 1, st.done + 1 + m))
+            feats.append(f)
+            st.done, st.pending = st.done + m, []
+        padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)  # [B, M, F]
+        fb, ids = extend_batch(self.kv, reqs[0].row, starts, tokens, self.device)
+        out = self.drafter(ids, padded.to(self.kv.storage.dtype), fb, self.kv.layers[0])
+        lens = torch.tensor([len(t) for t in tokens], device=out.device)
+        return out[torch.arange(len(reqs), device=out.device), lens - 1]  # [B, H]
+
+    def release(self, req: Request) -> None:
+        self._states.pop(req.rid, None)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.kv.copy_row(src, dst, length)
+
+
+def _tokens(req: Request, lo: int, hi: int) -> list[int]:
+    """Tokens at positions [lo, hi) of the request's prompt + output."""
+    P = len(req.prompt_ids)
+    head = req.prompt_ids[lo:hi] if lo < P else []
+    return head + req.output_ids[max(lo - P, 0) : max(hi - P, 0)]
