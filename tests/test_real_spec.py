@@ -1,6 +1,6 @@
 """Speculative decoding on the real default model (SmolLM2-135M), fp32: identical greedy tokens
-with speculation on (each proposer) and off, alone and at batch 8, and when the batch-size
-switch turns speculation on partway through a generation."""
+with speculation on (n-gram chains, drafter chains, drafter trees) and off, alone and at batch 8,
+and when the batch-size switch turns speculation on partway through a generation."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def drafter_dir(plain, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_drafter(d, tmp_path_factory.mktemp("drafter") / "d", hf, spec)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "drafter"])
+@pytest.mark.parametrize("proposer", ["ngram", "drafter", "tree"])
 def test_greedy_speculation_is_exact_alone_batched_and_switching(
     plain, drafter_dir, proposer
 ) -> None:
@@ -71,8 +71,10 @@ def test_greedy_speculation_is_exact_alone_batched_and_switching(
     prompts = [
         base.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS
     ]
-    path = str(drafter_dir) if proposer == "drafter" else None
-    on = make(SpecConfig(method=proposer, drafter=path, max_batch=8))
+    method = "ngram" if proposer == "ngram" else "drafter"
+    path = None if proposer == "ngram" else str(drafter_dir)
+    topk = 3 if proposer == "tree" else 1
+    on = make(SpecConfig(method=method, drafter=path, max_batch=8, tree_topk=topk))
     batched = on.generate(prompts, params())
     assert [o.samples[0].token_ids for o in batched] == ref
     assert on.engine.stats.spec_steps > 0
@@ -80,7 +82,7 @@ def test_greedy_speculation_is_exact_alone_batched_and_switching(
         got = on.generate([prompts[i]], [params()[i]])[0].samples[0]
         assert got.token_ids == ref[i], PROMPTS[i]
     # Switch at 3 running sequences: plain steps first, speculation once the tail begins.
-    switching = make(SpecConfig(method=proposer, drafter=path, max_batch=3))
+    switching = make(SpecConfig(method=method, drafter=path, max_batch=3, tree_topk=topk))
     outs = switching.generate(prompts, params())
     assert [o.samples[0].token_ids for o in outs] == ref
     stats = switching.engine.stats

@@ -127,9 +127,12 @@ def test_server_info_and_metrics_report_speculation(served, spec_served) -> None
         text = http.get("/metrics").text
     assert info["engine_info"]["spec"] == {
         "method": "ngram", "proposer": "ngram", "num_draft_tokens": 4, "max_batch": 64,
-        "drafter": None,
+        "drafter": None, "strategies": ["ngram:4"],
     }
     assert info["stats"]["spec_steps"] > 0
+    # Tokens/s the policy measured, per batch-size bucket it saw.
+    assert all(t["ngram:4"] > 0 for t in info["stats"]["spec_policy"].values())
+    assert info["stats"]["spec_policy"]
     steps, verifies, drafted, accepted = (metric(text, n) - before[n] for n in names)
     assert 0 < steps <= verifies and 0 <= accepted <= drafted
     # The counters add up the requests' own counts (the batch is all that ran meanwhile).

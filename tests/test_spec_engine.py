@@ -50,6 +50,9 @@ def spec_configs(drafters: dict[str, Path], **kw: int) -> dict[str, SpecConfig]:
     out = {"ngram": SpecConfig(method="ngram", **kw)}
     for name, path in drafters.items():
         out[f"drafter-{name}"] = SpecConfig(method="drafter", drafter=str(path), **kw)
+    out["tree"] = SpecConfig(
+        method="drafter", drafter=str(drafters["plain"]), tree_topk=3, verify_budget=7, **kw
+    )
     out["auto"] = SpecConfig(method="auto", drafter=str(drafters["plain"]), **kw)
     return out
 
@@ -63,7 +66,7 @@ def varied_params() -> list[SamplingParams]:
 
 
 @pytest.mark.parametrize(
-    "name", ["ngram", "drafter-plain", "drafter-fused", "drafter-sliced", "auto"]
+    "name", ["ngram", "drafter-plain", "drafter-fused", "drafter-sliced", "tree", "auto"]
 )
 def test_greedy_output_and_logprobs_equal_plain_decoding(tiny_model_dir, drafters, name) -> None:
     params = varied_params()
@@ -88,7 +91,8 @@ def test_switching_on_and_off_mid_generation_stays_exact(tiny_model_dir, drafter
     """max_batch 2: a lone request speculates, four more join (plain steps at batch 5), and
     as they finish speculation comes back; the drafter catches up from stored features."""
     params = varied_params()
-    for spec in spec_configs(drafters, max_batch=2).values():
+    configs = spec_configs(drafters, max_batch=2)
+    for spec in (configs[n] for n in ("ngram", "drafter-fused", "tree", "auto")):
         plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
         eng = make_llm(tiny_model_dir, spec).engine
         ids = [eng.tokenizer.encode(p) for p in PROMPTS]
@@ -121,7 +125,8 @@ def test_group_samples_and_stop_strings_with_speculation(tiny_model_dir, drafter
     stop = base.tokenizer.decode(text[0].samples[0].token_ids[12:14]).strip()
     params = SamplingParams(max_new_tokens=40, temperature=0.0, n=3, stop=[stop] if stop else [])
     ref = base.generate(PROMPTS[:2], params)
-    for spec in spec_configs(drafters).values():
+    configs = spec_configs(drafters)
+    for spec in (configs[n] for n in ("ngram", "drafter-sliced", "tree")):
         got = make_llm(tiny_model_dir, spec).generate(PROMPTS[:2], params)
         for r, g in zip(ref, got, strict=True):
             assert [s.token_ids for s in g.samples] == [s.token_ids for s in r.samples]
@@ -178,13 +183,15 @@ def _chi2_crit(dof: int) -> float:
     return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
 
 
-def _spec_vs_plain_chi2(model_dir: Path, drafter: Path, params: SamplingParams) -> float:
+def _spec_vs_plain_chi2(
+    model_dir: Path, drafter: Path, params: SamplingParams, topk: int = 1
+) -> float:
     """Many samples of one prompt with and without speculation; returns the largest
     chi-square / critical value (0.1%) over output positions 1..3 (those go through
     verification). Below 1: no detectable difference."""
     n = 1500
     batch = SamplingParams(**{**params.__dict__, "n": 50})
-    spec = SpecConfig(method="drafter", drafter=str(drafter), max_batch=64)
+    spec = SpecConfig(method="drafter", drafter=str(drafter), max_batch=64, tree_topk=topk)
     runs = {}
     for name, cfg in [("plain", None), ("spec", spec)]:
         llm = make_llm(model_dir, cfg, rows=50)
@@ -211,8 +218,12 @@ def _spec_vs_plain_chi2(model_dir: Path, drafter: Path, params: SamplingParams) 
         SamplingParams(temperature=1.3, top_k=20, min_p=0.02, max_new_tokens=4, ignore_eos=True),
     ],
 )
-def test_sampled_tokens_keep_the_target_distribution(tiny_model_dir, drafters, params) -> None:
-    assert _spec_vs_plain_chi2(tiny_model_dir, drafters["plain"], params) < 1.0
+@pytest.mark.parametrize("topk", [1, 3])
+def test_sampled_tokens_keep_the_target_distribution(
+    tiny_model_dir, drafters, params, topk
+) -> None:
+    """Chains (topk 1) and trees (topk 3): same token distribution as plain decoding."""
+    assert _spec_vs_plain_chi2(tiny_model_dir, drafters["plain"], params, topk) < 1.0
 
 
 def test_the_same_test_catches_a_biased_verifier(tiny_model_dir, drafters, monkeypatch) -> None:

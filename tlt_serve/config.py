@@ -52,6 +52,8 @@ class SchedulerConfig:
 
 SPEC_METHODS = ("off", "ngram", "drafter", "auto")
 MAX_DRAFT_TOKENS = 32
+MAX_TREE_TOPK = 8
+MAX_BUDGET = 64
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,11 @@ class SpecConfig:
     drafter: str | None = None  # drafter checkpoint directory (see spec/checkpoint.py)
     num_draft_tokens: int = 4  # chain depth: most tokens drafted per request per step
     max_batch: int = 8  # speculate while at most this many sequences run (the long tail)
+    tree_topk: int = 1  # > 1: tree drafting (drafter only), children per expanded node
+    verify_budget: int = 0  # tree nodes verified per request (0: 2 * num_draft_tokens)
     auto_depths: tuple[int, ...] = (2, 4, 6)  # chain depths the auto policy chooses among
+    # (depth, top-k, verify budget) of the drafter trees the auto policy chooses among
+    auto_trees: tuple[tuple[int, int, int], ...] = ((4, 2, 8), (6, 3, 16))
     ngram_min_n: int = 2
     ngram_max_n: int = 4
 
@@ -75,6 +81,22 @@ class SpecConfig:
             raise ConfigError(
                 f"num_draft_tokens: must be in [1, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}"
             )
+        if not 1 <= self.tree_topk <= MAX_TREE_TOPK:
+            raise ConfigError(f"tree_topk: must be in [1, {MAX_TREE_TOPK}], got {self.tree_topk}")
+        if self.tree_topk > 1 and self.proposer != "drafter":
+            raise ConfigError("tree_topk: tree drafting needs a drafter (--speculative drafter)")
+        if self.verify_budget and not self.num_draft_tokens <= self.verify_budget <= MAX_BUDGET:
+            raise ConfigError(
+                f"verify_budget: must be in [num_draft_tokens, {MAX_BUDGET}] "
+                f"(or 0 for the default), got {self.verify_budget}"
+            )
+        for depth, topk, budget in self.auto_trees:
+            if not (
+                1 <= depth <= MAX_DRAFT_TOKENS
+                and 2 <= topk <= MAX_TREE_TOPK
+                and depth <= budget <= MAX_BUDGET
+            ):
+                raise ConfigError(f"auto_trees: bad (depth, top-k, budget) {(depth, topk, budget)}")
         bad = [d for d in self.auto_depths if not 1 <= d <= MAX_DRAFT_TOKENS]
         if bad or not self.auto_depths:
             raise ConfigError(f"auto_depths: each must be in [1, {MAX_DRAFT_TOKENS}], got {bad}")
@@ -85,6 +107,11 @@ class SpecConfig:
                 f"ngram_min_n: need 1 <= ngram_min_n <= ngram_max_n, "
                 f"got {self.ngram_min_n}, {self.ngram_max_n}"
             )
+
+    @property
+    def budget(self) -> int:
+        """Tree nodes verified per request (tree drafting only)."""
+        return self.verify_budget or 2 * self.num_draft_tokens
 
     @property
     def proposer(self) -> str:

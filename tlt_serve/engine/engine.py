@@ -147,21 +147,23 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one target forward for the scheduled batch and return each request's delta.
 
-        A decode batch may speculate: the proposer drafts, one forward scores every
-        request's last token plus its drafts, and verification commits 1..k+1 tokens each.
+        A decode batch may speculate: the proposer drafts (chains or trees), one forward
+        scores every request's last token plus its drafts, and verification commits the
+        accepted drafts plus one token per request.
         """
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         t0 = time.perf_counter()
-        drafts = self.spec.plan(batch)
+        plan = self.spec.plan(batch)
         emitted: Sampled | Emitted
-        if drafts is None:
+        if plan is None:
             run = self.runner.run(batch)
             emitted = self.sampler.sample(run.logits[batch.logit_index], batch.samplers)
         else:
-            run = self.runner.verify(batch.forward, drafts)
-            emitted = self.spec.verify(run, drafts, batch.forward, self.sampler.generator)
+            run, emitted = self.spec.verify(
+                plan, batch.forward, self.runner, self.sampler.generator
+            )
         self.spec.observe(batch, run, emitted)
         outputs = self.scheduler.postprocess(batch, emitted, self.weight_version)
         seconds = time.perf_counter() - t0

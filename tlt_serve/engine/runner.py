@@ -11,6 +11,7 @@ from tlt_serve.engine.request import Request
 from tlt_serve.engine.scheduler import ScheduledBatch
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
 from tlt_serve.models.llama import LlamaModel
+from tlt_serve.spec.tree import DraftTree
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,6 +57,29 @@ class ModelRunner:
         return RunOutput(logits=logits, hidden=out.hidden, aux=out.aux)
 
     @torch.inference_mode()
+    def verify_tree(self, reqs: list[Request], trees: list[DraftTree]) -> RunOutput:
+        """Score each request's last token plus its draft tree in one forward: logits of
+        every node [F, N+1, V] (N = largest tree). KV of node i lands in column
+        ``num_tokens - 1 + i``; ``keep_path`` makes the accepted path contiguous."""
+        starts = [r.num_tokens - 1 for r in reqs]
+        tokens = [[r.last_token, *t.tokens] for r, t in zip(reqs, trees, strict=True)]
+        fb, input_ids = extend_batch(
+            self.kv, reqs[0].row, starts, tokens, self.device, trees=trees
+        )
+        out = self.model(input_ids, fb, self.kv.layers, self.aux_layers)
+        F, Q, H = out.hidden.shape
+        logits = self.model.logits(out.hidden.reshape(F * Q, H)).view(F, Q, -1)  # [F, Q, V]
+        return RunOutput(logits=logits, hidden=out.hidden, aux=out.aux)
+
+    def keep_path(self, req: Request, start: int, path: list[int]) -> None:
+        """Move the KV of an accepted tree path (node indices, root first) to the columns
+        right after the root: column ``start + j`` gets node ``path[j]``'s entry."""
+        if path != list(range(len(path))):
+            src = torch.tensor([start + n for n in path[1:]], device=self.kv.storage.device)
+            row = self.kv.storage[:, :, req.row]  # [L, 2, kvH, max_len + 1, D] (view)
+            row[:, :, :, start + 1 : start + len(path)] = row.index_select(3, src)
+
+    @torch.inference_mode()
     def verify(self, reqs: list[Request], drafts: list[list[int]]) -> RunOutput:
         """Score each request's last token plus its drafts in one forward.
 
@@ -75,13 +99,21 @@ class ModelRunner:
 
 
 def extend_batch(
-    kv: KVCache, row_lo: int, starts: list[int], tokens: list[list[int]], device: str = "cpu"
+    kv: KVCache,
+    row_lo: int,
+    starts: list[int],
+    tokens: list[list[int]],
+    device: str = "cpu",
+    trees: list[DraftTree] | None = None,
 ) -> tuple[ForwardBatch, torch.Tensor]:
-    """Rows ``row_lo..`` of ``kv`` get ``tokens[b]`` at positions ``starts[b]..``, attending
+    """Rows ``row_lo..`` of ``kv`` get ``tokens[b]`` in columns ``starts[b]..``, attending
     to their first ``starts[b]`` cached columns and causally to each other.
 
     One form for prefill (start 0), decode (one token), verification (last token plus
-    drafts) and drafter catch-up. Returns the batch and input ids [B, Q], right-padded.
+    drafts) and drafter catch-up. With ``trees`` (tree verification: ``tokens[b]`` = root +
+    the tree's nodes) token i sits at position ``start + depth(i)`` and attends to its
+    ancestors instead of to every earlier token. Returns the batch and input ids [B, Q],
+    right-padded.
     """
     B = len(tokens)
     lens = torch.tensor([len(t) for t in tokens])  # [B]
@@ -92,8 +124,9 @@ def extend_batch(
         ids[b, : len(t)] = torch.tensor(t)
     cols = torch.arange(Q).unsqueeze(0)  # [1, Q]
     real = cols < lens.unsqueeze(1)  # [B, Q]
-    positions = (start + cols).clamp(max=kv.max_len - 1)  # [B, Q]
-    write_pos = torch.where(real, positions, kv.scratch_col)
+    offsets = cols.expand(B, Q) if trees is None else _depths(trees, Q)  # [B, Q]
+    positions = (start + offsets).clamp(max=kv.max_len - 1)  # [B, Q]
+    write_pos = torch.where(real, (start + cols).clamp(max=kv.max_len - 1), kv.scratch_col)
     end = start.squeeze(1) + lens  # [B] one past each row's last real column
     kv_len = int(end.max())
     mask = None
@@ -102,7 +135,12 @@ def extend_batch(
         # columns hidden). Padding queries still see the real keys, so no softmax row is empty.
         key = torch.arange(kv_len).view(1, 1, kv_len)  # [1, 1, Kv]
         causal = key <= (start + cols).unsqueeze(2)  # [B, Q, Kv]
-        mask = (causal & (key < end.view(B, 1, 1))).unsqueeze(1)  # [B, 1, Q, Kv]
+        mask = causal & (key < end.view(B, 1, 1))  # [B, Q, Kv]
+        if trees is not None:
+            for b, tree in enumerate(trees):  # own columns: ancestors only
+                n, s0 = tree.size + 1, starts[b]
+                mask[b, :n, s0 : s0 + n] = tree.ancestor_mask()
+        mask = mask.unsqueeze(1)  # [B, 1, Q, Kv]
     kv_heads, row_len = kv.storage.shape[3], kv.storage.shape[4]
     index = flat_write_index(row_lo, write_pos, kv_heads, row_len)
     fb = ForwardBatch(
@@ -113,3 +151,11 @@ def extend_batch(
         kv_len,
     )
     return fb, ids.to(device)
+
+
+def _depths(trees: list[DraftTree], Q: int) -> torch.Tensor:
+    """[B, Q] depth of each tree node (root 0); padding continues past the last node."""
+    out = torch.arange(Q).unsqueeze(0).repeat(len(trees), 1)  # [B, Q]
+    for b, tree in enumerate(trees):
+        out[b, : tree.size + 1] = torch.tensor(tree.depths())
+    return out

@@ -63,6 +63,7 @@ class Emitted:
     top_logprobs: list[list[TopLogprobs]] | None
     drafted: list[int] | None = None
     accepted: list[int] | None = None
+    path: list[list[int]] | None = None  # tree steps: verify positions of the tokens' inputs
 
 
 class Scheduler:

@@ -54,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                        metavar="N", help="most tokens drafted per request per step")
     serve.add_argument("--spec-max-batch", type=int, default=SpecConfig.max_batch, metavar="N",
                        help="speculate while at most N sequences run")
+    serve.add_argument("--tree-topk", type=int, default=SpecConfig.tree_topk, metavar="K",
+                       help="> 1: tree drafting (drafter), top-K children per expanded node")
+    serve.add_argument("--verify-budget", type=int, default=SpecConfig.verify_budget,
+                       metavar="N", help="tree nodes verified per request (default: 2x depth)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
@@ -66,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 drafter=args.drafter,
                 num_draft_tokens=args.num_draft_tokens,
                 max_batch=args.spec_max_batch,
+                tree_topk=args.tree_topk,
+                verify_budget=args.verify_budget,
             ),
             seed=args.seed,
         ),

@@ -231,6 +231,7 @@ class EngineLoop:
                 num_draft_tokens=spec.config.num_draft_tokens,
                 max_batch=spec.config.max_batch,
                 drafter=spec.config.drafter,
+                strategies=tuple(str(a) for a in spec.policy.arms),
             ),
         )
 
@@ -256,5 +257,6 @@ class EngineLoop:
             spec_drafted=s.spec_drafted,
             spec_accepted=s.spec_accepted,
             spec_verifies=s.spec_verifies,
+            spec_policy=self.engine.spec.policy.table(),
         )
 

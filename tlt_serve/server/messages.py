@@ -63,6 +63,7 @@ class SpecInfo:
     num_draft_tokens: int = 0
     max_batch: int = 0  # speculate while at most this many sequences run
     drafter: str | None = None  # drafter checkpoint directory
+    strategies: tuple[str, ...] = ()  # the policy's arms, e.g. "drafter:4", "drafter:6x3/16"
 
     @property
     def enabled(self) -> bool:
@@ -128,6 +129,8 @@ class StatsSnapshot:
     spec_verifies: int = 0  # sequences that verified drafts, summed over those steps
     spec_drafted: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # draft tokens accepted (excluding correction / bonus tokens)
+    # Median tokens/s per batch-size bucket and strategy, as the adaptive policy measured it.
+    spec_policy: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

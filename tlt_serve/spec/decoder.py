@@ -15,13 +15,14 @@ the step's measured tokens per second.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from tlt_serve.config import SpecConfig
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.engine.request import Request
-from tlt_serve.engine.runner import RunOutput
+from tlt_serve.engine.runner import ModelRunner, RunOutput
 from tlt_serve.engine.scheduler import Emitted, Sampled, ScheduledBatch
 from tlt_serve.models.llama import LlamaModel
 from tlt_serve.spec.checkpoint import load_drafter
@@ -29,7 +30,29 @@ from tlt_serve.spec.drafter_proposer import DrafterProposer
 from tlt_serve.spec.ngram import NgramConfig
 from tlt_serve.spec.policy import PLAIN, Strategy, StrategyBandit
 from tlt_serve.spec.proposer import NgramDrafts, NoProposer, Proposer
+from tlt_serve.spec.tree import DraftTree, verify_tree
 from tlt_serve.spec.verify import ChainDrafts, verify_chain
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One verify step's drafts: a tree per request (chains as one-child trees)."""
+
+    trees: list[DraftTree]
+    chain: bool  # every tree is a chain: the vectorised chain verifier applies
+
+
+def _chain_drafts(run: RunOutput, drafts: list[list[int]], reqs: list[Request]) -> ChainDrafts:
+    B, K = len(drafts), max(len(d) for d in drafts)
+    tokens = torch.zeros(B, K, dtype=torch.long)  # [B, K]
+    for b, d in enumerate(drafts):
+        tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
+    return ChainDrafts(
+        target_logits=run.logits[:, : K + 1],
+        draft_tokens=tokens,
+        num_drafts=torch.tensor([len(d) for d in drafts]),
+        params=tuple(r.params for r in reqs),
+    )
 
 
 class SpecDecoder:
@@ -58,51 +81,54 @@ class SpecDecoder:
         names = [n for n in self.proposers if n != PLAIN.proposer]
         return "none" if not names else names[0] if len(names) == 1 else "auto"
 
-    def plan(self, batch: ScheduledBatch) -> list[list[int]] | None:
-        """Draft tokens per request of a decode batch, or None for a plain step."""
+    def plan(self, batch: ScheduledBatch) -> Plan | None:
+        """Drafts for a decode batch (chains or trees), or None for a plain step."""
         self._strategy = PLAIN
         if batch.is_prefill:
             return None
         self._strategy = strategy = self.policy.choose(len(batch.forward))
-        ks = [self._room(r, strategy.depth) for r in batch.forward]
-        drafts = self.proposers[strategy.proposer].propose(batch.forward, ks)
-        return drafts if any(drafts) else None
+        reqs = batch.forward
+        if strategy.is_tree:
+            drafter = self.proposers[strategy.proposer]
+            assert isinstance(drafter, DrafterProposer)  # config allows trees for drafters only
+            budgets = [self._room(r, strategy.budget) for r in reqs]
+            trees = drafter.propose_tree(reqs, strategy.depth, strategy.topk, budgets)
+            return Plan(trees, chain=False) if any(t.size for t in trees) else None
+        ks = [self._room(r, strategy.depth) for r in reqs]
+        drafts = self.proposers[strategy.proposer].propose(reqs, ks)
+        return Plan([DraftTree.chain(d) for d in drafts], chain=True) if any(drafts) else None
 
-    def _room(self, req: Request, depth: int) -> int:
-        """Drafts worth verifying: the step also commits one more token, and the drafts'
-        KV must fit the row."""
+    def _room(self, req: Request, n: int) -> int:
+        """Draft tokens worth verifying: the step also commits one more token, and the
+        drafts' KV must fit the row."""
         left = req.params.max_new_tokens - len(req.output_ids) - 1
-        return max(0, min(depth, left, self.max_len - req.num_tokens))
+        return max(0, min(n, left, self.max_len - req.num_tokens))
 
     def verify(
-        self,
-        run: RunOutput,
-        drafts: list[list[int]],
-        reqs: Sequence[Request],
-        shared: torch.Generator,
-    ) -> Emitted:
-        """run.logits [B, K+1, V] over [last token + drafts] → what each request commits."""
-        B, K = len(drafts), max(len(d) for d in drafts)
-        tokens = torch.zeros(B, K, dtype=torch.long)  # [B, K]
-        for b, d in enumerate(drafts):
-            tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
-        result = verify_chain(
-            ChainDrafts(
-                target_logits=run.logits[:, : K + 1],
-                draft_tokens=tokens,
-                num_drafts=torch.tensor([len(d) for d in drafts]),
-                params=tuple(r.params for r in reqs),
-            ),
-            generators=[r.generator for r in reqs],
-            shared=shared,
-        )
-        return Emitted(
+        self, plan: Plan, reqs: list[Request], runner: ModelRunner, shared: torch.Generator
+    ) -> tuple[RunOutput, Emitted]:
+        """One target forward over every request's [last token + drafts]; what each commits."""
+        generators = [r.generator for r in reqs]
+        if plan.chain:
+            drafts = [list(t.tokens) for t in plan.trees]
+            run = runner.verify(reqs, drafts)
+            result = verify_chain(_chain_drafts(run, drafts, reqs), generators, shared)
+            paths = None
+        else:
+            run = runner.verify_tree(reqs, plan.trees)
+            params = [r.params for r in reqs]
+            result, paths = verify_tree(run.logits, plan.trees, params, generators, shared)
+            for req, path in zip(reqs, paths, strict=True):
+                runner.keep_path(req, req.num_tokens - 1, path)
+        emitted = Emitted(
             result.token_ids,
             result.logprobs,
             result.top_logprobs,
-            drafted=[len(d) for d in drafts],
+            drafted=[t.size for t in plan.trees],
             accepted=result.num_accepted,
+            path=paths,
         )
+        return run, emitted
 
     def observe(self, batch: ScheduledBatch, run: RunOutput, emitted: Sampled | Emitted) -> None:
         """Give drafters the features of each sampler's newly committed positions."""
@@ -112,10 +138,14 @@ class SpecDecoder:
         feats = torch.cat(run.aux, dim=-1) if self.feature_layers else run.hidden  # [F, Q, *]
         for i, req in enumerate(batch.samplers):
             if batch.is_prefill:
-                m = len(req.prompt_ids)  # siblings read their leader's row
+                m = len(req.prompt_ids)
+                f = feats[batch.logit_index[i], :m]  # [m, F] siblings read their leader's row
+            elif isinstance(emitted, Emitted) and emitted.path is not None:  # tree: the path
+                f = feats[i, emitted.path[i]]  # [m, F] (advanced indexing copies)
             else:
                 m = len(emitted.token_ids[i]) if isinstance(emitted, Emitted) else 1
-            f = feats[batch.logit_index[i], :m].clone()  # [m, F]
+                f = feats[i, :m]  # [m, F]
+            f = f.clone()
             for p in takers:
                 p.observe(req, f)
 
@@ -152,10 +182,14 @@ def build_spec_decoder(
         drafter = load_drafter(str(config.drafter), target)
         proposers["drafter"] = DrafterProposer(drafter, rows, max_len)
         feature_layers = drafter.spec.feature_layers
+    names = [p for p in proposers if p != PLAIN.proposer]
     if config.method == "auto":
-        depths = config.auto_depths
-        arms = [PLAIN, *(Strategy(p, d) for p in proposers if p != "none" for d in depths)]
+        arms = [PLAIN, *(Strategy(p, d) for p in names for d in config.auto_depths)]
+        if "drafter" in proposers:
+            arms += [Strategy("drafter", d, k, n) for d, k, n in config.auto_trees]
+    elif config.tree_topk > 1:  # one drafter tree shape below max_batch
+        arms = [Strategy("drafter", config.num_draft_tokens, config.tree_topk, config.budget)]
     else:  # one proposer at one depth below max_batch (or plain decoding throughout)
-        arms = [Strategy(p, config.num_draft_tokens) for p in proposers if p != "none"]
+        arms = [Strategy(p, config.num_draft_tokens) for p in names]
     policy = StrategyBandit(arms, config.max_batch, seed=seed)
     return SpecDecoder(config, proposers, policy, max_len, feature_layers)

@@ -23,6 +23,8 @@ from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.request import Request
 from tlt_serve.engine.runner import extend_batch
 from tlt_serve.spec.drafter import DrafterModel
+from tlt_serve.spec.tree import DraftTree
+from tlt_serve.spec.tree_draft import expand_tree
 
 
 @dataclass
@@ -71,6 +73,16 @@ class DrafterProposer:
             last = self.drafter(ids, last.unsqueeze(1), fb, kv, fused=True)[:, 0]  # [B, H]
         table = torch.stack(drafts, dim=1).tolist()  # [B, K]
         return [table[b][: ks[b]] for b in range(B)]
+
+    @torch.inference_mode()
+    def propose_tree(
+        self, reqs: Sequence[Request], depth: int, topk: int, budgets: Sequence[int]
+    ) -> list[DraftTree]:
+        """A draft tree per request (``budgets[b]`` nodes at most, also capping depth)."""
+        if max(budgets, default=0) == 0:
+            return [DraftTree((), ()) for _ in reqs]
+        root = self._catch_up(reqs)  # [B, H]
+        return expand_tree(self.drafter, self.kv, reqs, root, depth, topk, budgets)
 
     def _catch_up(self, reqs: Sequence[Request]) -> torch.Tensor:
         """Run all pending pairs through the drafter; returns each row's last output [B, H]."""

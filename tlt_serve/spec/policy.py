@@ -27,10 +27,20 @@ BUCKETS = (1, 4, 8, 16, 32, 64)
 @dataclass(frozen=True, order=True)
 class Strategy:
     proposer: str  # none | ngram | drafter
-    depth: int = 0  # chain depth (draft tokens per request per step); 0 for none
+    depth: int = 0  # draft depth (a chain's length); 0 for none
+    topk: int = 1  # > 1: a tree, expanding the top-k children of each frontier node
+    budget: int = 0  # tree nodes verified per request (trees only)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.topk > 1
 
     def __str__(self) -> str:
-        return self.proposer if self.proposer == "none" else f"{self.proposer}:{self.depth}"
+        if self.proposer == "none":
+            return "none"
+        if self.is_tree:
+            return f"{self.proposer}:{self.depth}x{self.topk}/{self.budget}"
+        return f"{self.proposer}:{self.depth}"
 
 
 PLAIN = Strategy("none")

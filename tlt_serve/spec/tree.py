@@ -1,0 +1,174 @@
+"""Draft trees and their lossless verification.
+
+A ``DraftTree`` holds N draft tokens below a root (the request's last committed token, node
+0). Nodes are numbered 1..N in topological order (every parent before its children);
+``parents[i - 1]`` is node i's parent (0 = the root). Siblings carry distinct tokens. A chain of
+k drafts is the tree with parents 0, 1, .., k-1.
+
+The target scores all N + 1 nodes in one forward: node i sits at position ``start + depth(i)``
+and attends to the cached prefix plus its own ancestors (``ancestor_mask``). Its KV lands in
+column ``start + i``; after acceptance the accepted path's columns are moved to be contiguous.
+
+Acceptance walks down from the root. Greedy: follow the child whose token is the target's
+argmax; the first argmax without such a child is the correction (or the bonus at a leaf).
+Sampled (deterministic drafts, q one-hot): at a node with target distribution p (after
+temperature / top-k / top-p / min-p), try its children in order: accept child c with
+probability p(c); on rejection set p <- normalise(p with c removed) and try the next; if all
+are rejected, sample the emitted token from the final p. Each stage is a speculative-sampling
+step against the current residual, so by induction the emitted token is distributed exactly as
+p (recursive rejection sampling, SpecInfer / EAGLE). A chain is the one-child case, where this
+is the chain verifier's rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tlt_serve.engine.sampler import apply_filters, top_logprobs_of
+from tlt_serve.sampling_params import SamplingParams
+from tlt_serve.spec.verify import VerifyResult
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]  # [N] token of nodes 1..N
+    parents: tuple[int, ...]  # [N] parent node of nodes 1..N (0 = root), parents[i-1] < i
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("tokens and parents need one entry per node")
+        for i, p in enumerate(self.parents, start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i}: parent {p} must precede it")
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        return cls(tuple(tokens), tuple(range(len(tokens))))
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Depth of nodes 0..N (root 0)."""
+        d = [0]
+        for p in self.parents:
+            d.append(d[p] + 1)
+        return d
+
+    def children(self) -> list[list[int]]:
+        """Children of nodes 0..N, in node order."""
+        kids: list[list[int]] = [[] for _ in range(self.size + 1)]
+        for i, p in enumerate(self.parents, start=1):
+            kids[p].append(i)
+        return kids
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N+1, N+1] bool: entry (i, j) True when node j is node i or one of its ancestors."""
+        n = self.size + 1
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(self.parents, start=1):
+            mask[i] |= mask[p]
+        return mask
+
+
+def verify_tree(
+    logits: torch.Tensor,
+    trees: Sequence[DraftTree],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None = None,
+    shared: torch.Generator | None = None,
+) -> tuple[VerifyResult, list[list[int]]]:
+    """Accept a root-to-node path of each row's tree.
+
+    logits [B, Q, V] fp32: row b's node i at index i (Q >= size + 1; the rest is padding).
+    Returns the VerifyResult (accepted drafts, emitted tokens = path tokens + correction /
+    bonus, target logprobs) and each row's accepted path as node indices, root first
+    (``path[b][j]`` is the node whose logits produced emitted token j).
+    """
+    B, Q, V = logits.shape
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])  # [B]
+    scaled = logits / temps.view(B, 1, 1)  # [B, Q, V]
+    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, Q, V]
+    argmax = logits.argmax(dim=-1).tolist()  # [B][Q]
+    sampled = [b for b, p in enumerate(params) if not p.greedy]
+    probs = None
+    if sampled:  # every sampled row's filtered distribution, in one batched call
+        per_pos = [params[b] for b in sampled for _ in range(Q)]
+        filtered = apply_filters(scaled[sampled].reshape(len(sampled) * Q, V), per_pos)
+        probs = torch.softmax(filtered, dim=-1).view(len(sampled), Q, V).double()
+    row_of = {b: i for i, b in enumerate(sampled)}
+    paths, tokens = [], []
+    for b, tree in enumerate(trees):
+        if b in row_of and probs is not None:
+            gen = generators[b] if generators is not None else None
+            path, emitted = _walk_sampled(tree, probs[row_of[b]], gen or shared)
+        else:
+            path, emitted = _walk_greedy(tree, argmax[b])
+        paths.append(path)
+        tokens.append(emitted)
+    flat_rows = torch.tensor([b for b, path in enumerate(paths) for _ in path])  # [T]
+    flat_nodes = torch.tensor([n for path in paths for n in path])  # [T]
+    flat_tokens = torch.tensor([t for row in tokens for t in row])  # [T]
+    chosen = logprobs[flat_rows, flat_nodes, flat_tokens].tolist()  # [T]
+    per_tok = [params[b] for b in flat_rows.tolist()]
+    tops = top_logprobs_of(logprobs[flat_rows, flat_nodes], per_tok)  # [T][top] or None
+    lps, top_rows, at = [], [], 0
+    for row in tokens:
+        lps.append(chosen[at : at + len(row)])
+        if tops is not None:
+            top_rows.append(tops[at : at + len(row)])
+        at += len(row)
+    counts = [len(path) - 1 for path in paths]
+    return VerifyResult(counts, tokens, lps, top_rows if tops is not None else None), paths
+
+
+def _walk_greedy(tree: DraftTree, argmax: list[int]) -> tuple[list[int], list[int]]:
+    kids = tree.children()
+    node, path, emitted = 0, [0], []
+    while True:
+        want = argmax[node]
+        emitted.append(want)
+        nxt = next((c for c in kids[node] if tree.tokens[c - 1] == want), None)
+        if nxt is None:
+            return path, emitted
+        node = nxt
+        path.append(node)
+
+
+def _walk_sampled(
+    tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | None
+) -> tuple[list[int], list[int]]:
+    """probs [Q, V] fp64: filtered target distribution at each node."""
+    kids = tree.children()
+    node, path, emitted = 0, [0], []
+    while True:
+        p = probs[node]  # [V]
+        accepted = None
+        for child in kids[node]:
+            token = tree.tokens[child - 1]
+            u = float(torch.rand(1, generator=gen, dtype=torch.float64))
+            mass = float(p.sum())
+            if u * mass < float(p[token]):  # accept with probability p(token) / mass
+                accepted = child
+                break
+            p = p.clone()
+            p[token] = 0.0  # residual: p without the rejected token (renormalised below)
+        if accepted is None:
+            # Rejecting c means u * mass >= p(c), so mass outside the children remains (> 0)
+            # unless rounding ate it: then p itself is the honest fallback.
+            emitted.append(_inverse_cdf(p if float(p.sum()) > 0 else probs[node], gen))
+            return path, emitted
+        emitted.append(tree.tokens[accepted - 1])
+        node = accepted
+        path.append(node)
+
+
+def _inverse_cdf(weights: torch.Tensor, gen: torch.Generator | None) -> int:
+    cdf = weights.cumsum(0)  # [V] fp64
+    u = float(torch.rand(1, generator=gen, dtype=torch.float64)) * float(cdf[-1])
+    index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True))
+    return min(index, len(cdf) - 1)
