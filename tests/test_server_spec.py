@@ -131,7 +131,7 @@ def test_server_info_and_metrics_report_speculation(served, spec_served) -> None
     }
     assert info["stats"]["spec_steps"] > 0
     # Tokens/s the policy measured, per batch-size bucket it saw.
-    assert all(t["ngram:4"] > 0 for t in info["stats"]["spec_policy"].values())
+    assert all(t["ngram:4"] > 0 for t in info["stats"]["spec_policy"].values()), info["stats"]
     assert info["stats"]["spec_policy"]
     steps, verifies, drafted, accepted = (metric(text, n) - before[n] for n in names)
     assert 0 < steps <= verifies and 0 <= accepted <= drafted

@@ -96,7 +96,7 @@ class StrategyBandit:
             if lo > self.max_batch:
                 break
             name = str(lo) if lo == hi else f"{lo}-{hi if hi is not None else ''}"
-            out[name] = {
-                str(a): round(statistics.median(r), 1) for a, r in self._rewards[i].items() if r
-            }
+            seen = {str(a): statistics.median(r) for a, r in self._rewards[i].items() if r}
+            if seen:
+                out[name] = {a: round(v, 1) for a, v in seen.items()}
         return out
