@@ -177,3 +177,7 @@ def plot(report: dict, path: Path) -> None:  # type: ignore[type-arg]
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

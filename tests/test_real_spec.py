@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_real_model import PROMPTS as REAL_PROMPTS
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tlt_serve.spec.checkpoint import save_drafter
@@ -18,11 +19,7 @@ from tlt_serve.spec.drafter import DrafterSpec, new_drafter
 pytestmark = pytest.mark.real_model
 
 PROMPTS = [
-    "What is the capital of France?",
-    "Write a Python function that reverses a string.",
-    "If I have 3 apples and buy 5 more, how many apples do I have? Think step by step.",
-    "Give me two tips for better sleep.",
-    "Translate 'good morning' into Spanish and German.",
+    *REAL_PROMPTS,
     "List the first ten prime numbers.",
     "Explain what a hash table is in one paragraph.",
     "Write a haiku about the sea.",

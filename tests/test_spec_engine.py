@@ -12,18 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_engine import PROMPTS
 from tests.tiny import make_tiny_drafter
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SpecConfig
 from tlt_serve.spec.checkpoint import DrafterError
-
-PROMPTS = [
-    "The quick brown fox",
-    "def add(a, b):",
-    "What is 12 + 7? Let me think step by step.",
-    "Bonjour",
-    "Speculative decoding drafts tokens cheaply and verifies them in one forward pass. " * 2,
-]
 
 
 def make_llm(path: Path, spec: SpecConfig | None = None, rows: int = 8, max_len: int = 256) -> LLM:
