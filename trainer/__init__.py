@@ -1,0 +1,1 @@
+"""Offline drafter training for tlt-serve (``tlt-train warmup``)."""
