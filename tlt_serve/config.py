@@ -122,11 +122,27 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class CaptureConfig:
+    """Training samples for the drafter, taken from the serving forwards (``capture.py``)."""
+
+    enabled: bool = False
+    max_bytes: int = 512 << 20  # buffer cap (features + tokens); the oldest samples go first
+    sample_rate: float = 1.0  # fraction of finished sequences kept (seeded draw per request)
+
+    def validate(self) -> None:
+        if self.max_bytes < 1 << 20:
+            raise ConfigError(f"capture_max_bytes: must be >= 1 MiB, got {self.max_bytes}")
+        if not 0.0 < self.sample_rate <= 1.0:
+            raise ConfigError(f"capture_sample_rate: must be in (0, 1], got {self.sample_rate}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
     seed: int = 0  # seeds the shared generator of requests without their own seed
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
 
@@ -135,11 +151,29 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.spec.validate()
+        self.capture.validate()
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The co-located drafter trainer, as the server sees it (``trainer/online.py`` trains)."""
+
+    enabled: bool = False  # --train-drafter: start and supervise the trainer process
+    max_running: int = 0  # it may train while at most this many requests are in flight
+    state_dir: str | None = None  # its checkpoints (None: under the server's cache dir)
+    restart_delay_s: float = 2.0  # wait before restarting a trainer that exited
+
+    def validate(self) -> None:
+        if self.max_running < 0:
+            raise ConfigError(f"train_max_running: must be >= 0, got {self.max_running}")
+        if self.restart_delay_s < 0:
+            raise ConfigError(f"restart_delay_s: must be >= 0, got {self.restart_delay_s}")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
@@ -148,5 +182,8 @@ class ServerConfig:
 
     def validate(self) -> None:
         self.engine.validate()
+        self.training.validate()
+        if self.training.enabled and not self.engine.capture.enabled:
+            raise ConfigError("capture: --train-drafter trains on captured samples (enable it)")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: must be in [0, 65535], got {self.port}")

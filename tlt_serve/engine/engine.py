@@ -1,4 +1,4 @@
-"""The engine: one loop, ``step()`` = schedule → forward → sample → postprocess.
+"""The engine: one loop, ``step()`` = schedule → forward → sample → capture → postprocess.
 
 Not thread-safe: exactly one thread calls its methods (the offline LLM, or the server's
 engine loop, which applies control messages between steps).
@@ -9,13 +9,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from tlt_serve.capture import CaptureBuffer
 from tlt_serve.config import EngineConfig
 from tlt_serve.engine.detokenizer import Detokenizer
+from tlt_serve.engine.features import committed_features
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.engine.request import Request
@@ -28,6 +30,7 @@ from tlt_serve.models.loader import WeightError, build_model, load_weights
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
 from tlt_serve.sampling_params import ParamError, SamplingParams
+from tlt_serve.spec.checkpoint import load_drafter
 from tlt_serve.spec.decoder import build_spec_decoder
 
 log = logging.getLogger("tlt_serve.engine")
@@ -39,6 +42,13 @@ class UpdateResult:
     ok: bool
     message: str
     weight_version: str
+
+
+@dataclass(frozen=True)
+class DrafterUpdate:
+    ok: bool
+    message: str
+    drafter_version: int | None  # serving after the call
 
 
 class Engine:
@@ -60,6 +70,7 @@ class Engine:
         self.spec = build_spec_decoder(
             config.spec, self.model, rows, mc.max_model_len, seed=config.seed
         )
+        self.capture = CaptureBuffer(config.capture, seed=config.seed)
         self.runner = ModelRunner(self.model, self.kv, mc.device, self.spec.feature_layers)
         self.scheduler = Scheduler(
             num_rows=rows,
@@ -125,12 +136,14 @@ class Engine:
         family = [r for r in self._requests() if r.rid == rid or r.group == rid]
         outs = [self.scheduler.abort(r.rid, self.weight_version) for r in family]
         self.spec.release(family)
+        self.capture.release(family)
         return [o for o in outs if o is not None]
 
     def abort_all(self) -> list[StepOutput]:
         reqs = self._requests()
         outs = self.scheduler.abort_all(self.weight_version)
         self.spec.release(reqs)
+        self.capture.release(reqs)
         return outs
 
     def _requests(self) -> list[Request]:
@@ -164,12 +177,34 @@ class Engine:
             run, emitted = self.spec.verify(
                 plan, batch.forward, self.runner, self.sampler.generator
             )
-        self.spec.observe(batch, run, emitted)
+        if self.spec.needs_features or self.capture.enabled:
+            committed = committed_features(batch, run, emitted, self.spec.feature_layers)
+            self.spec.observe(committed)
+            self.capture.observe(committed, self.weight_version)
         outputs = self.scheduler.postprocess(batch, emitted, self.weight_version)
+        self.capture.finish([r for r in batch.samplers if r.finished], self.spec.drafter_version)
         seconds = time.perf_counter() - t0
         self.spec.end_step(batch, outputs, seconds)
         self.stats.on_step(batch, emitted, outputs, seconds)
         return outputs
+
+    # ---- drafter ---------------------------------------------------------------------------
+    def update_drafter(self, path: str, version: int | None = None) -> DrafterUpdate:
+        """Load a drafter checkpoint and serve it from the next step (call between steps).
+
+        It is validated completely (fits the target, same feature layers) before anything
+        changes; on failure the serving drafter stays and the message says why. ``version``
+        overrides the checkpoint's own.
+        """
+        try:
+            new = load_drafter(path, self.model)
+            if version is not None:
+                new.spec = replace(new.spec, version=version)
+            self.spec.swap_drafter(new)
+        except ValueError as err:  # DrafterError included
+            return DrafterUpdate(False, str(err), self.spec.drafter_version)
+        log.info("drafter %s → version %d", path, new.spec.version)
+        return DrafterUpdate(True, f"serving drafter version {new.spec.version}", new.spec.version)
 
     # ---- weights ---------------------------------------------------------------------------
     def update_weights(
@@ -187,6 +222,8 @@ class Engine:
         if n == 0:
             return UpdateResult(False, "no weights in the update", self.weight_version)
         self.weight_version = version if version is not None else _next_version(self.weight_version)
+        if (drafter := self.spec.drafter) is not None:
+            drafter.refresh_head()  # a sliced draft head copies rows of the target's head
         log.info("weights updated (%d tensors) → version %s", n, self.weight_version)
         return UpdateResult(True, f"updated {n} tensors", self.weight_version)
 

@@ -33,9 +33,15 @@ class SpecCounts:
     verify_ct: int = 0
     drafted: int = 0
     accepted: int = 0
+    drafter_versions: tuple[int, ...] = ()  # drafter versions that drafted for it, in order
 
-    def plus(self, drafted: int, accepted: int) -> SpecCounts:
-        return SpecCounts(self.verify_ct + 1, self.drafted + drafted, self.accepted + accepted)
+    def plus(self, drafted: int, accepted: int, drafter_version: int | None = None) -> SpecCounts:
+        versions = self.drafter_versions
+        if drafter_version is not None and (not versions or versions[-1] != drafter_version):
+            versions = (*versions, drafter_version)
+        return SpecCounts(
+            self.verify_ct + 1, self.drafted + drafted, self.accepted + accepted, versions
+        )
 
     @property
     def accept_length(self) -> float:

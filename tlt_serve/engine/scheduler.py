@@ -64,6 +64,7 @@ class Emitted:
     drafted: list[int] | None = None
     accepted: list[int] | None = None
     path: list[list[int]] | None = None  # tree steps: verify positions of the tokens' inputs
+    drafter_version: int | None = None  # the drafter that proposed (None: model-free drafts)
 
 
 class Scheduler:
@@ -161,7 +162,7 @@ class Scheduler:
         for i, req in enumerate(batch.samplers):
             tops = em.top_logprobs[i] if em.top_logprobs is not None else None
             if em.drafted is not None and em.accepted is not None and em.drafted[i]:
-                req.spec = req.spec.plus(em.drafted[i], em.accepted[i])
+                req.spec = req.spec.plus(em.drafted[i], em.accepted[i], em.drafter_version)
             outputs.append(self._append(req, em.token_ids[i], em.logprobs[i], tops, version))
         self._release([r for r in batch.samplers if r.finished])
         return outputs

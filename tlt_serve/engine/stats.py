@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -10,6 +11,7 @@ from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.engine.scheduler import Emitted, Sampled, ScheduledBatch
 
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+RECENT_SPEC_STEPS = 256  # window of the recent accept length
 
 
 @dataclass
@@ -41,6 +43,16 @@ class EngineStats:
     spec_drafted: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # draft tokens accepted (excluding correction / bonus tokens)
     step_time: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))
+    # (accepted, verifies) of the last RECENT_SPEC_STEPS verify steps
+    recent_spec: deque[tuple[int, int]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_SPEC_STEPS)
+    )
+
+    @property
+    def recent_accept_length(self) -> float:
+        """Accepted drafts per sequence verification over the recent verify steps."""
+        verifies = sum(v for _, v in self.recent_spec)
+        return sum(a for a, _ in self.recent_spec) / verifies if verifies else 0.0
 
     def on_add(self, n: int, prompt_len: int) -> None:
         self.requests += n
@@ -55,10 +67,12 @@ class EngineStats:
     ) -> None:
         self.generated_tokens += sum(len(o.token_ids) for o in outputs)
         if isinstance(emitted, Emitted) and emitted.drafted is not None:
+            verifies, accepted = sum(1 for d in emitted.drafted if d), sum(emitted.accepted or ())
             self.spec_steps += 1
-            self.spec_verifies += sum(1 for d in emitted.drafted if d)
+            self.spec_verifies += verifies
             self.spec_drafted += sum(emitted.drafted)
-            self.spec_accepted += sum(emitted.accepted or ())
+            self.spec_accepted += accepted
+            self.recent_spec.append((accepted, verifies))
         if batch.is_prefill:
             self.prefill_steps += 1
         else:

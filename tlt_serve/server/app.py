@@ -15,6 +15,7 @@ from tlt_serve.models.tokenizer import Tokenizer, load_tokenizer
 from tlt_serve.server.bridge import EngineClient
 from tlt_serve.server.errors import error_body, install_error_handlers
 from tlt_serve.server.routes_control import control_routes
+from tlt_serve.server.routes_drafter import drafter_routes
 from tlt_serve.server.routes_generate import generate_routes
 from tlt_serve.server.routes_openai import openai_routes
 from tlt_serve.server.routes_weights import weight_routes
@@ -51,7 +52,9 @@ def build_app(
     )
     app.state.tlt = state
     install_error_handlers(app)
-    for router in (generate_routes(), openai_routes(), control_routes(), weight_routes()):
+    for router in (
+        generate_routes(), openai_routes(), control_routes(), weight_routes(), drafter_routes()
+    ):
         app.include_router(router)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

@@ -14,11 +14,13 @@ import uvicorn
 from tlt_serve.config import (
     SPEC_METHODS,
     CacheConfig,
+    CaptureConfig,
     ConfigError,
     EngineConfig,
     ModelConfig,
     ServerConfig,
     SpecConfig,
+    TrainingConfig,
 )
 from tlt_serve.models.provision import DEFAULT_MODEL
 from tlt_serve.server.app import build_app
@@ -58,6 +60,21 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                        help="> 1: tree drafting (drafter), top-K children per expanded node")
     serve.add_argument("--verify-budget", type=int, default=SpecConfig.verify_budget,
                        metavar="N", help="tree nodes verified per request (default: 2x depth)")
+    serve.add_argument("--capture", action="store_true",
+                       help="keep drafter training samples (target features + tokens of "
+                       "finished sequences) in a bounded buffer (GET /drafter/samples)")
+    serve.add_argument("--capture-max-mb", type=int, default=CaptureConfig.max_bytes >> 20,
+                       metavar="MB", help="capture buffer cap; the oldest samples go first")
+    serve.add_argument("--capture-sample-rate", type=float, default=CaptureConfig.sample_rate,
+                       metavar="P", help="fraction of finished sequences captured")
+    serve.add_argument("--train-drafter", action="store_true",
+                       help="run the co-located drafter trainer (implies --capture): it trains "
+                       "in idle gaps and hot-swaps improved drafters into this server")
+    serve.add_argument("--train-max-running", type=int, default=TrainingConfig.max_running,
+                       metavar="N", help="the trainer may run while at most N requests are "
+                       "in flight")
+    serve.add_argument("--trainer-state-dir", default=None, metavar="DIR",
+                       help="trainer checkpoints (default: under the cache directory)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
@@ -73,7 +90,17 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 tree_topk=args.tree_topk,
                 verify_budget=args.verify_budget,
             ),
+            capture=CaptureConfig(
+                enabled=args.capture or args.train_drafter,
+                max_bytes=args.capture_max_mb << 20,
+                sample_rate=args.capture_sample_rate,
+            ),
             seed=args.seed,
+        ),
+        training=TrainingConfig(
+            enabled=args.train_drafter,
+            max_running=args.train_max_running,
+            state_dir=args.trainer_state_dir,
         ),
         host=args.host,
         port=args.port,

@@ -21,6 +21,7 @@ from tlt_serve.config import EngineConfig
 from tlt_serve.engine.engine import Engine
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.sampling_params import ParamError
+from tlt_serve.server.engine_drafter import DrafterControls
 from tlt_serve.server.engine_weights import ControlError, WeightControls
 from tlt_serve.server.messages import (
     Abort,
@@ -99,6 +100,7 @@ class EngineLoop:
             "continue": self._continue,
             "flush_cache": self._flush_cache,
             **WeightControls(engine, self._abort_all).handlers(),
+            **DrafterControls(engine).handlers(),
         }
 
     # ---- the loop ----------------------------------------------------------------------

@@ -88,6 +88,9 @@ class _Formatter:
             meta.spec_accept_length = r.spec.accept_length
             meta.spec_verify_ct = r.spec.verify_ct
             meta.spec_accept_rate = r.spec.accept_rate
+            versions = list(r.spec.drafter_versions)
+            meta.drafter_versions = versions
+            meta.drafter_version = versions[-1] if versions else None
         if params.logprobs:
             texts = self._texts(r.token_ids)
             meta.output_token_logprobs = [

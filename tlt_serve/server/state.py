@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import Request
@@ -12,7 +12,18 @@ from tlt_serve.config import ServerConfig
 from tlt_serve.models.tokenizer import Tokenizer
 from tlt_serve.server.bridge import EngineClient
 from tlt_serve.server.messages import EngineInfo
+from tlt_serve.server.protocol_drafter import TrainerReport
 from tlt_serve.server.uploads import TensorUploads
+
+
+@dataclass
+class TrainingState:
+    """The front end's side of drafter training: a pause switch and the trainer's report."""
+
+    paused: bool = False
+    report: TrainerReport | None = None
+    reported_at: float | None = None  # unix time of the last report
+    restarts: int = 0  # trainer processes restarted by the supervisor
 
 
 @dataclass
@@ -24,6 +35,7 @@ class ServerState:
     model_name: str  # what /v1/models reports and responses echo
     uploads: TensorUploads
     started: float  # unix time the app was built
+    training: TrainingState = field(default_factory=TrainingState)
 
 
 def get_state(request: Request) -> ServerState:

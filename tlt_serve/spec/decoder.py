@@ -7,9 +7,9 @@ most tokens per second); a step without drafts is a plain step. Each request's d
 so it never runs past ``max_new_tokens`` or the KV row. ``verify`` turns the target's logits
 over [last token + drafts] into the tokens each request commits (``verify_chain``: exact for
 greedy, rejection sampling otherwise). ``observe`` hands the proposers the target features of
-every committed position, from every forward (prefill, plain decode, verify), so a drafter is
-always ready to catch up. ``end_step`` releases finished requests and rewards the strategy with
-the step's measured tokens per second.
+every committed position (``engine/features.py``), from every forward (prefill, plain decode,
+verify), so a drafter is always ready to catch up. ``end_step`` releases finished requests and
+rewards the strategy with the step's measured tokens per second.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from tlt_serve.config import SpecConfig
+from tlt_serve.engine.features import Committed
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.engine.request import Request
 from tlt_serve.engine.runner import ModelRunner, RunOutput
-from tlt_serve.engine.scheduler import Emitted, Sampled, ScheduledBatch
+from tlt_serve.engine.scheduler import Emitted, ScheduledBatch
 from tlt_serve.models.llama import LlamaModel
 from tlt_serve.spec.checkpoint import load_drafter
+from tlt_serve.spec.drafter import DrafterModel
 from tlt_serve.spec.drafter_proposer import DrafterProposer
 from tlt_serve.spec.ngram import NgramConfig
 from tlt_serve.spec.policy import PLAIN, Strategy, StrategyBandit
@@ -127,27 +129,49 @@ class SpecDecoder:
             drafted=[t.size for t in plan.trees],
             accepted=result.num_accepted,
             path=paths,
+            drafter_version=self.drafter_version if self._strategy.proposer == "drafter" else None,
         )
         return run, emitted
 
-    def observe(self, batch: ScheduledBatch, run: RunOutput, emitted: Sampled | Emitted) -> None:
+    @property
+    def drafter(self) -> DrafterModel | None:
+        p = self.proposers.get("drafter")
+        return p.drafter if isinstance(p, DrafterProposer) else None
+
+    @property
+    def drafter_version(self) -> int | None:
+        d = self.drafter
+        return None if d is None else d.spec.version
+
+    def swap_drafter(self, new: DrafterModel) -> None:
+        """Serve ``new`` from the next step on (call between steps).
+
+        Its features must be the ones the engine computes (same ``feature_layers``). In-flight
+        requests keep their drafter KV (written by the old weights): drafts stay proposals,
+        so output is unaffected, and their next catch-up runs on the new weights. The
+        policy forgets what it measured for drafter strategies (they must be re-measured).
+        """
+        p = self.proposers.get("drafter")
+        if not isinstance(p, DrafterProposer):
+            raise ValueError("drafter: this server was started without a drafter")
+        if new.spec.feature_layers != self.feature_layers:
+            raise ValueError(
+                f"drafter: feature_layers {list(new.spec.feature_layers)} differ from the "
+                f"serving drafter's {list(self.feature_layers)}"
+            )
+        p.drafter = new
+        self.policy.forget("drafter")
+
+    @property
+    def needs_features(self) -> bool:
+        return any(p.needs_features for p in self.proposers.values())
+
+    def observe(self, committed: Committed) -> None:
         """Give drafters the features of each sampler's newly committed positions."""
         takers = [p for p in self.proposers.values() if p.needs_features]
-        if not takers:
-            return
-        feats = torch.cat(run.aux, dim=-1) if self.feature_layers else run.hidden  # [F, Q, *]
-        for i, req in enumerate(batch.samplers):
-            if batch.is_prefill:
-                m = len(req.prompt_ids)
-                f = feats[batch.logit_index[i], :m]  # [m, F] siblings read their leader's row
-            elif isinstance(emitted, Emitted) and emitted.path is not None:  # tree: the path
-                f = feats[i, emitted.path[i]]  # [m, F] (advanced indexing copies)
-            else:
-                m = len(emitted.token_ids[i]) if isinstance(emitted, Emitted) else 1
-                f = feats[i, :m]  # [m, F]
-            f = f.clone()
+        for req, feats in committed:
             for p in takers:
-                p.observe(req, f)
+                p.observe(req, feats)
 
     def end_step(
         self, batch: ScheduledBatch, outputs: Sequence[StepOutput], seconds: float

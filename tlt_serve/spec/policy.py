@@ -87,6 +87,13 @@ class StrategyBandit:
         if window is not None and batch_size <= self.max_batch and seconds > 0:
             window.append(tokens / seconds)
 
+    def forget(self, proposer: str) -> None:
+        """Drop the measurements of ``proposer``'s arms (e.g. its model changed)."""
+        for bucket in self._rewards:
+            for arm, window in bucket.items():
+                if arm.proposer == proposer:
+                    window.clear()
+
     def table(self) -> dict[str, dict[str, float]]:
         """Median reward (tokens/s) per bucket and arm, for /get_server_info and benchmarks."""
         out: dict[str, dict[str, float]] = {}

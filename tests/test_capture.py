@@ -1,0 +1,162 @@
+"""Capture: training samples from the serving forwards equal a teacher-forced target forward
+(plain and speculative steps, n > 1 siblings), only the accepted path is kept, and the buffer
+is bounded (eviction, sampling rate, aborts, weight changes mid-sequence, cursors, wire format).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_engine import PROMPTS
+from tests.tiny import make_tiny_drafter
+from tlt_serve import LLM, SamplingParams
+from tlt_serve.capture import (
+    CaptureBuffer,
+    TrainingSample,
+    decode_samples,
+    encode_samples,
+)
+from tlt_serve.config import CacheConfig, CaptureConfig, EngineConfig, ModelConfig, SpecConfig
+from tlt_serve.engine.request import Request
+from trainer.data import target_features
+
+
+def capture_llm(path: Path, spec: SpecConfig | None = None, **capture: object) -> LLM:
+    return LLM(
+        config=EngineConfig(
+            model=ModelConfig(model=str(path), dtype="float32", max_model_len=256),
+            cache=CacheConfig(max_num_seqs=8),
+            spec=spec or SpecConfig(),
+            capture=CaptureConfig(enabled=True, **capture),  # type: ignore[arg-type]
+        )
+    )
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def check_against_teacher_forcing(llm: LLM, samples: list[TrainingSample]) -> None:
+    seqs = [s.tokens.tolist() for s in samples]
+    expect = target_features(llm.engine.model, seqs, batch_tokens=4096)
+    for s, f in zip(samples, expect, strict=True):
+        assert s.features.shape == f.shape
+        torch.testing.assert_close(s.features, f, atol=2e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_drafter(tiny_model_dir, tmp_path_factory.mktemp("cap") / "d", seed=4)
+
+
+@pytest.mark.parametrize("mode", ["plain", "chain", "tree", "ngram"])
+def test_samples_equal_teacher_forced_features(
+    mode: str, tiny_model_dir: Path, drafter_dir: Path
+) -> None:
+    spec = {
+        "plain": SpecConfig(),
+        "chain": SpecConfig(method="drafter", drafter=str(drafter_dir)),
+        "tree": SpecConfig(method="drafter", drafter=str(drafter_dir), tree_topk=3),
+        "ngram": SpecConfig(method="ngram"),
+    }[mode]
+    llm = capture_llm(tiny_model_dir, spec)
+    lengths = [30, 5, 41, 17, 26]
+    results = llm.generate(PROMPTS[:5], [greedy(n) for n in lengths])
+    samples = llm.engine.capture.take(0, 1 << 30)
+    assert len(samples) == 5
+    by_prompt = {tuple(s.tokens[: s.prompt_len].tolist()): s for s in samples}
+    for r, n in zip(results, lengths, strict=True):
+        s = by_prompt[tuple(r.prompt_ids)]
+        full = r.prompt_ids + r.samples[0].token_ids
+        # Every position the target ran: all but the last generated token.
+        assert s.tokens.tolist() == full[: len(full) - 1]
+        assert s.prompt_len == len(r.prompt_ids) and s.weight_version == "0"
+        assert len(r.samples[0].token_ids) == n
+    check_against_teacher_forcing(llm, samples)
+    if mode != "plain":
+        assert llm.engine.stats.spec_steps > 0  # the speculative path really ran
+    if mode in ("chain", "tree"):
+        assert {s.drafter_version for s in samples} == {0}
+
+
+def test_siblings_of_one_prompt_each_get_a_sample(tiny_model_dir: Path) -> None:
+    llm = capture_llm(tiny_model_dir)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, n=3, seed=7)
+    res = llm.generate([PROMPTS[0]], params)[0]
+    samples = llm.engine.capture.take(0, 1 << 30)
+    assert len(samples) == 3
+    outs = sorted(tuple(s.tokens[s.prompt_len :].tolist()) for s in samples)
+    assert outs == sorted(tuple(x.token_ids[:-1]) for x in res.samples)
+    check_against_teacher_forcing(llm, samples)
+
+
+def test_rate_abort_and_weight_change_skip_sequences(tiny_model_dir: Path) -> None:
+    llm = capture_llm(tiny_model_dir, sample_rate=0.5)
+    llm.generate(PROMPTS * 8, greedy(3))
+    stats = llm.engine.capture.stats()
+    assert stats.captured + stats.skipped == len(PROMPTS) * 8
+    assert 0.2 < stats.captured / (len(PROMPTS) * 8) < 0.8
+
+    llm = capture_llm(tiny_model_dir)
+    eng = llm.engine
+    eng.add_request("a", eng.tokenizer.encode(PROMPTS[0]), greedy(20))
+    eng.add_request("b", eng.tokenizer.encode(PROMPTS[1]), greedy(20))
+    for _ in range(3):
+        eng.step()
+    eng.abort("a")
+    embed = eng.model.embed_tokens.weight.detach().clone()
+    assert eng.update_weights([("model.embed_tokens.weight", embed)], "1").ok  # new version
+    while eng.has_work():
+        eng.step()
+    stats = eng.capture.stats()
+    assert (stats.captured, stats.skipped) == (0, 2)  # a aborted, b mixed versions
+    eng.add_request("c", eng.tokenizer.encode(PROMPTS[2]), greedy(5))
+    while eng.has_work():
+        eng.step()
+    (c,) = eng.capture.take(0, 1 << 30)
+    assert c.weight_version == "1" and c.seq == 1
+
+
+def fake_sample(rid: str, n: int, h: int = 16) -> tuple[Request, torch.Tensor]:
+    req = Request(rid=rid, prompt_ids=list(range(n)), params=greedy(1), detok=None)
+    return req, torch.randn(n, h)
+
+
+def test_buffer_evicts_oldest_and_cursors_page() -> None:
+    buf = CaptureBuffer(CaptureConfig(enabled=True, max_bytes=10 * (16 * 4 + 8) * 10))
+    for i in range(25):  # 10 positions each: 10 fit
+        req, f = fake_sample(f"r{i}", 10)
+        buf.observe([(req, f)], "0")
+        buf.finish([req], None)
+    st = buf.stats()
+    assert (st.samples, st.captured, st.evicted, st.last_seq) == (10, 25, 15, 25)
+    assert st.bytes <= st.max_bytes and st.tokens == 100
+    got = buf.take(0, 1 << 30)
+    assert [s.seq for s in got] == list(range(16, 26))
+    page = buf.take(17, max_bytes=1)  # always at least one
+    assert [s.seq for s in page] == [18]
+    assert [s.seq for s in buf.take(20, 3 * got[0].nbytes)] == [21, 22, 23]
+    assert buf.take(25, 1 << 30) == []
+
+
+def test_wire_format_round_trip_and_malformed_blob() -> None:
+    buf = CaptureBuffer(CaptureConfig(enabled=True))
+    for i in range(3):
+        req, f = fake_sample(f"r{i}", 5 + i)
+        buf.observe([(req, f.to(torch.bfloat16))], "v7")
+        buf.finish([req], 3 if i else None)
+    samples = buf.take(0, 1 << 30)
+    back = decode_samples(encode_samples(samples))
+    for a, b in zip(samples, back, strict=True):
+        assert (a.seq, a.prompt_len, a.weight_version, a.drafter_version) == (
+            b.seq, b.prompt_len, b.weight_version, b.drafter_version)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.features, b.features)
+        assert b.features.dtype == torch.bfloat16
+    assert decode_samples(encode_samples([])) == []
+    with pytest.raises(ValueError, match="malformed"):
+        decode_samples(b"\x05\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(ValueError):
+        decode_samples(b"abc")

@@ -1,0 +1,161 @@
+"""Drafter endpoints over HTTP: hot-swap while requests run (outputs unchanged, versions
+reported), drafter info, training pause and gate, the trainer's sample and target feeds."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from tests.test_server_harness import Served, serve
+from tests.test_spec_engine import make_llm
+from tests.tiny import make_tiny_drafter
+from tlt_serve import SamplingParams
+from tlt_serve.capture import decode_samples
+from tlt_serve.config import CaptureConfig, SpecConfig
+from tlt_serve.server.cli import parse_args
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?", "Bonjour, ça va?"]
+GREEDY = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    root = tmp_path_factory.mktemp("srv-drafters")
+    return [make_tiny_drafter(tiny_model_dir, root / f"d{i}", seed=20 + i) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def served_drafter(tiny_model_dir: Path, drafters: list[Path]) -> Iterator[Served]:
+    spec = SpecConfig(method="drafter", drafter=str(drafters[0]), max_batch=64)
+    s = serve(tiny_model_dir, spec=spec, capture=CaptureConfig(enabled=True))
+    yield s
+    s.stop()
+
+
+def test_cli_capture_and_training_flags() -> None:
+    cfg = parse_args(["serve", "--train-drafter", "--train-max-running", "2",
+                      "--capture-max-mb", "64", "--capture-sample-rate", "0.5"])
+    assert cfg.engine.capture.enabled and cfg.training.enabled  # training implies capture
+    assert (cfg.engine.capture.max_bytes, cfg.engine.capture.sample_rate) == (64 << 20, 0.5)
+    assert cfg.training.max_running == 2
+    assert not parse_args(["serve"]).engine.capture.enabled
+
+
+def test_swaps_under_load_keep_outputs_and_report_versions(
+    served_drafter: Served, drafters: list[Path], tiny_model_dir: Path
+) -> None:
+    llm = make_llm(tiny_model_dir)
+    expect = [
+        r.samples[0].token_ids
+        for r in llm.generate(PROMPTS, SamplingParams(max_new_tokens=48, temperature=0.0,
+                                                      ignore_eos=True))
+    ]
+    stop = threading.Event()
+    swaps: list[int] = []
+
+    def swapper() -> None:
+        with served_drafter.http() as http:
+            while not stop.is_set():
+                v = len(swaps) + 1
+                body = {"path": str(drafters[v % 2]), "version": v}
+                resp = http.post("/update_drafter_from_disk", json=body)
+                assert resp.status_code == 200, resp.text
+                assert resp.json() == {"success": True, "drafter_version": v,
+                                       "message": f"serving drafter version {v}"}
+                swaps.append(v)
+
+    thread = threading.Thread(target=swapper)
+    thread.start()
+    try:
+        with served_drafter.http() as http:
+            outs = [http.post("/generate", json={"text": PROMPTS, "sampling_params": GREEDY})
+                    for _ in range(3)]
+    finally:
+        stop.set()
+        thread.join(30)
+    assert len(swaps) >= 5
+    for resp in outs:
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert [b["output_ids"] for b in body] == expect
+        for b in body:
+            versions = b["meta_info"]["drafter_versions"]
+            assert versions == sorted(versions) and b["meta_info"]["drafter_version"] == versions[-1]
+    assert any(len(b["meta_info"]["drafter_versions"]) > 1 for r in outs for b in r.json())
+
+
+def test_bad_swaps_get_400_naming_the_problem(served_drafter: Served, tmp_path: Path) -> None:
+    with served_drafter.http() as http:
+        before = http.get("/get_drafter_info").json()["drafter_version"]
+        resp = http.post("/update_drafter_from_disk", json={"path": str(tmp_path / "nope")})
+        assert resp.status_code == 400
+        assert resp.json()["success"] is False and "not a directory" in resp.json()["message"]
+        assert resp.json()["drafter_version"] == before
+        resp = http.post("/update_drafter_from_disk", json={"path": "x", "versio": 3})
+        assert resp.status_code == 400 and "versio" in resp.text
+        resp = http.post("/update_drafter_from_disk", json={"path": "x", "version": -1})
+        assert resp.status_code == 400 and "version" in resp.text
+        assert http.get("/get_drafter_info").json()["drafter_version"] == before
+
+
+def test_samples_feed_pages_with_a_cursor(served_drafter: Served) -> None:
+    with served_drafter.http() as http:
+        newest = int(http.get("/drafter/samples", params={"after": 0}).headers["x-newest-seq"])
+        resp = http.post("/generate", json={"text": PROMPTS, "sampling_params": GREEDY})
+        assert resp.status_code == 200
+        got = http.get("/drafter/samples", params={"after": newest})
+        assert got.status_code == 200 and got.headers["content-type"] == "application/octet-stream"
+        samples = decode_samples(got.content)
+        assert len(samples) == len(PROMPTS) == int(got.headers["x-count"])
+        assert [s.seq for s in samples] == list(range(newest + 1, newest + 5))
+        outs = sorted(tuple(b["output_ids"][:-1]) for b in resp.json())
+        assert sorted(tuple(s.tokens[s.prompt_len:].tolist()) for s in samples) == outs
+        last = got.headers["x-last-seq"]
+        again = http.get("/drafter/samples", params={"after": last})
+        assert decode_samples(again.content) == [] and again.headers["x-count"] == "0"
+        one = http.get("/drafter/samples", params={"after": newest, "max_bytes": 1})
+        assert one.headers["x-count"] == "1"
+        bad = http.get("/drafter/samples", params={"after": -1})
+        assert bad.status_code == 400 and "after" in bad.text
+        info = http.get("/get_drafter_info").json()
+        assert info["capture"]["samples"] >= len(PROMPTS) and info["capture"]["enabled"]
+        assert info["recent_verify_steps"] > 0 and info["recent_accept_length"] >= 0
+
+
+def test_target_feed_matches_the_served_model(served_drafter: Served, tiny_model_dir) -> None:
+    with served_drafter.http() as http:
+        resp = http.get("/drafter/target")
+    assert resp.status_code == 200 and resp.headers["x-weight-version"] == "0"
+    tensors = load(resp.content)
+    model = make_llm(tiny_model_dir).engine.model
+    assert torch.equal(tensors["model.embed_tokens.weight"], model.embed_tokens.weight)
+    assert torch.equal(tensors["model.norm.weight"], model.norm.weight)
+
+
+def test_training_pause_gate_and_trainer_report(served_drafter: Served) -> None:
+    with served_drafter.http() as http:
+        gate = http.get("/drafter/gate").json()
+        assert gate["train"] is True and gate["in_flight"] == 0 and gate["max_running"] == 0
+        assert http.post("/pause_drafter_training").json()["paused"] is True
+        gate = http.get("/drafter/gate").json()
+        assert gate["train"] is False and gate["reason"] == "training paused"
+        report = {"state": "training", "step": 12, "published_version": 3, "loss": 0.5}
+        assert http.post("/drafter/trainer_status", json=report).json()["paused"] is True
+        assert http.post("/drafter/trainer_status", json={"stat": "x"}).status_code == 400
+        http.post("/resume_drafter_training")
+        info = http.get("/get_drafter_info").json()["training"]
+        assert info["paused"] is False and info["gate"]["train"] is True
+        assert info["trainer"]["step"] == 12 and info["trainer"]["published_version"] == 3
+
+
+def test_samples_need_capture(served: Served) -> None:
+    with served.http() as http:
+        resp = http.get("/drafter/samples")
+        assert resp.status_code == 400 and "--capture" in resp.text
+        info = http.get("/get_drafter_info").json()
+        assert info["drafter_version"] is None and info["capture"]["enabled"] is False

@@ -1,0 +1,221 @@
+"""Drafter training samples taken from the serving forwards, in a bounded buffer.
+
+Every target forward (prefill, plain decode, verification) already computes the feature of
+each position it commits — the same tensors a drafter catches up from (``engine/features.py``).
+Capture keeps them, per sampled sequence, with no extra forward: when the sequence finishes,
+its tokens and features become one ``TrainingSample``. Only the accepted path is ever
+committed, so rejected drafts never reach the buffer.
+
+Bounds: the buffer holds at most ``max_bytes`` (features + tokens); adding past it evicts the
+oldest samples. A sequence is kept with probability ``sample_rate`` (one seeded draw when it
+first commits). In-flight sequences hold their features until they finish (at most the KV
+cache's worth); an aborted sequence, or one whose target weights changed mid-generation (its
+features would mix two targets), is dropped.
+
+Samples are numbered in capture order (``seq``); a consumer pulls everything after its
+cursor (``take``), so several consumers and restarts need no state here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, save
+
+from tlt_serve.config import CaptureConfig
+from tlt_serve.engine.request import Request
+
+
+@dataclass(frozen=True, eq=False)
+class TrainingSample:
+    """One served sequence: token ids and the target feature of each position.
+
+    ``features[i]`` is the feature the target computed at position i; the last generated
+    token was never fed back, so it is not in ``tokens`` (pair i = (f_i, x_{i+1}) predicts
+    f_{i+1} for i < L - 1).
+    """
+
+    seq: int  # capture order, from 1
+    tokens: torch.Tensor  # [L] int64: prompt then response
+    features: torch.Tensor  # [L, F] the target's dtype
+    prompt_len: int
+    weight_version: str  # the target every position was computed with
+    drafter_version: int | None  # the drafter serving when it finished (None: no drafter)
+
+    @property
+    def nbytes(self) -> int:
+        return self.features.nbytes + self.tokens.nbytes
+
+
+@dataclass
+class _Live:
+    weight_version: str
+    chunks: list[torch.Tensor] = field(default_factory=list)  # [m, F] each, in order
+    mixed: bool = False  # the target changed while it ran
+
+
+@dataclass(frozen=True)
+class CaptureStats:
+    enabled: bool
+    samples: int  # in the buffer now
+    tokens: int
+    bytes: int
+    max_bytes: int
+    captured: int  # samples ever added
+    evicted: int  # dropped to stay under max_bytes
+    skipped: int  # sequences not drawn (sample_rate), aborted, or mixed-version
+    last_seq: int
+
+
+class CaptureBuffer:
+    def __init__(self, config: CaptureConfig, seed: int = 0) -> None:
+        self.config = config
+        self._rng = random.Random(seed)
+        self._live: dict[str, _Live | None] = {}  # None: not drawn
+        self._buffer: deque[TrainingSample] = deque()
+        self._bytes = 0
+        self._tokens = 0
+        self._seq = 0
+        self._evicted = 0
+        self._skipped = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    def observe(
+        self, committed: Iterable[tuple[Request, torch.Tensor]], weight_version: str
+    ) -> None:
+        """Features [m, F] of each request's newly committed positions (read-only tensors)."""
+        if not self.enabled:
+            return
+        for req, feats in committed:
+            if req.rid not in self._live:
+                drawn = self._rng.random() < self.config.sample_rate
+                self._live[req.rid] = _Live(weight_version) if drawn else None
+            live = self._live[req.rid]
+            if live is None:
+                continue
+            live.mixed |= live.weight_version != weight_version
+            live.chunks.append(feats)
+
+    def finish(self, reqs: Sequence[Request], drafter_version: int | None) -> None:
+        """Turn finished requests into samples (call after postprocess)."""
+        for req in reqs:
+            if req.rid not in self._live:
+                continue
+            live = self._live.pop(req.rid)
+            if live is None or live.mixed or not live.chunks:
+                self._skipped += 1
+                continue
+            feats = torch.cat(live.chunks) if len(live.chunks) > 1 else live.chunks[0]  # [L, F]
+            ids = req.prompt_ids + req.output_ids
+            L = min(feats.shape[0], len(ids))
+            self._add(
+                TrainingSample(
+                    seq=self._seq + 1,
+                    tokens=torch.tensor(ids[:L], dtype=torch.long),
+                    features=feats[:L],
+                    prompt_len=len(req.prompt_ids),
+                    weight_version=live.weight_version,
+                    drafter_version=drafter_version,
+                )
+            )
+
+    def release(self, reqs: Iterable[Request]) -> None:
+        """Forget aborted requests."""
+        for req in reqs:
+            if req.rid in self._live:
+                self._live.pop(req.rid)
+                self._skipped += 1
+
+    def _add(self, sample: TrainingSample) -> None:
+        self._seq = sample.seq
+        self._buffer.append(sample)
+        self._bytes += sample.nbytes
+        self._tokens += int(sample.tokens.shape[0])
+        while self._bytes > self.config.max_bytes and self._buffer:
+            old = self._buffer.popleft()
+            self._bytes -= old.nbytes
+            self._tokens -= int(old.tokens.shape[0])
+            self._evicted += 1
+
+    def take(self, after: int, max_bytes: int, max_samples: int = 1 << 30) -> list[TrainingSample]:
+        """Samples with ``seq > after`` in order, up to ``max_bytes`` (at least one when any
+        is there). Nothing is removed: the buffer is a window, consumers keep cursors."""
+        out: list[TrainingSample] = []
+        size = 0
+        for s in self._buffer:
+            if s.seq <= after:
+                continue
+            if out and (size + s.nbytes > max_bytes or len(out) >= max_samples):
+                break
+            out.append(s)
+            size += s.nbytes
+        return out
+
+    def stats(self) -> CaptureStats:
+        return CaptureStats(
+            enabled=self.enabled,
+            samples=len(self._buffer),
+            tokens=self._tokens,
+            bytes=self._bytes,
+            max_bytes=self.config.max_bytes,
+            captured=self._seq,
+            evicted=self._evicted,
+            skipped=self._skipped,
+            last_seq=self._seq,
+        )
+
+
+# ---- wire format (engine → trainer) ----------------------------------------------------------
+
+
+def encode_samples(samples: Sequence[TrainingSample]) -> bytes:
+    """Samples as one safetensors blob: ``tokens.<seq>`` / ``features.<seq>`` tensors and a
+    ``samples`` JSON list (seq, prompt_len, weight_version, drafter_version) in the metadata."""
+    tensors: dict[str, torch.Tensor] = {}
+    meta = []
+    for s in samples:
+        tensors[f"tokens.{s.seq}"] = s.tokens.contiguous()
+        tensors[f"features.{s.seq}"] = s.features.contiguous()
+        meta.append([s.seq, s.prompt_len, s.weight_version, s.drafter_version])
+    return save(tensors, metadata={"samples": json.dumps(meta)})
+
+
+def decode_samples(blob: bytes) -> list[TrainingSample]:
+    """Inverse of ``encode_samples``; ValueError on a malformed blob."""
+    try:
+        tensors = load(blob)
+        meta = json.loads(header_metadata(blob)["samples"])
+        return [
+            TrainingSample(
+                seq=int(seq),
+                tokens=tensors[f"tokens.{seq}"],
+                features=tensors[f"features.{seq}"],
+                prompt_len=int(prompt_len),
+                weight_version=str(weight_version),
+                drafter_version=None if drafter is None else int(drafter),
+            )
+            for seq, prompt_len, weight_version, drafter in meta
+        ]
+    except (KeyError, TypeError, ValueError, SafetensorError) as err:
+        raise ValueError(f"malformed sample blob: {err!r}") from err
+
+
+def header_metadata(blob: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors blob (8-byte little-endian header size, JSON)."""
+    if len(blob) < 8:
+        raise ValueError("safetensors blob shorter than its header size")
+    size = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + size])
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise ValueError("safetensors __metadata__ is not an object")
+    return meta

@@ -1,0 +1,37 @@
+"""The target features of every position a step committed, per request.
+
+Drafters catch up from them (``spec``) and capture keeps them for training (``capture``):
+one extraction serves both. A feature is the target's final-norm hidden state, or the
+concatenation of chosen layers' residual streams for a fused drafter (``feature_layers``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tlt_serve.engine.request import Request
+from tlt_serve.engine.runner import RunOutput
+from tlt_serve.engine.scheduler import Emitted, Sampled, ScheduledBatch
+
+Committed = list[tuple[Request, torch.Tensor]]  # (request, features [m, F]) per sampler
+
+
+def committed_features(
+    batch: ScheduledBatch, run: RunOutput, emitted: Sampled | Emitted, layers: tuple[int, ...]
+) -> Committed:
+    """Each sampler's features of the positions this step fed through the target and kept:
+    the prompt (prefill), the last token (plain decode), the last token plus the accepted
+    drafts (chain verify) or the accepted tree path. Copies, safe to keep."""
+    feats = torch.cat(run.aux, dim=-1) if layers else run.hidden  # [F, Q, F']
+    out: Committed = []
+    for i, req in enumerate(batch.samplers):
+        if batch.is_prefill:
+            m = len(req.prompt_ids)
+            f = feats[batch.logit_index[i], :m]  # [m, F] siblings read their leader's row
+        elif isinstance(emitted, Emitted) and emitted.path is not None:  # tree: the path
+            f = feats[i, emitted.path[i]]  # [m, F] (advanced indexing copies)
+        else:
+            m = len(emitted.token_ids[i]) if isinstance(emitted, Emitted) else 1
+            f = feats[i, :m]  # [m, F]
+        out.append((req, f.clone()))
+    return out

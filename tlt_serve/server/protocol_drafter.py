@@ -1,0 +1,41 @@
+"""Bodies of the drafter endpoints (hot-swap, training control, capture)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec import Struct
+
+
+class UpdateDrafterReq(Struct, forbid_unknown_fields=True):
+    path: str  # a drafter checkpoint directory (spec/checkpoint.py)
+    version: int | None = None  # overrides the checkpoint's own version
+
+
+class UpdateDrafterOut(Struct):
+    success: bool
+    message: str
+    drafter_version: int | None
+
+
+class TrainerReport(Struct, forbid_unknown_fields=True):
+    """What the trainer tells the server about itself (shown by /get_drafter_info)."""
+
+    state: str  # waiting | training | evaluating | publishing
+    step: int = 0
+    published_version: int | None = None
+    samples_seen: int = 0
+    cursor: int = 0
+    loss: float | None = None
+    last_candidate: dict[str, Any] | None = None  # the promotion guard's last verdict
+
+
+class GateOut(Struct):
+    """May the trainer run now? Polled between training micro-steps."""
+
+    train: bool
+    reason: str
+    in_flight: int
+    max_running: int
+    paused: bool
+    weight_version: str

@@ -1,0 +1,128 @@
+"""Drafter endpoints: hot-swap, info, training control, and the trainer's data feed.
+
+- ``POST /update_drafter_from_disk {path, version?}``: validated, then served from the next
+  engine step; in-flight requests go on (their responses list every drafter version used).
+- ``GET /get_drafter_info``: serving drafter version, recent accept length, capture buffer,
+  training state (paused, gate, the trainer's last report).
+- ``POST /pause_drafter_training`` / ``/resume_drafter_training``.
+- For the trainer: ``GET /drafter/gate`` (may it train now: spare capacity, not paused),
+  ``GET /drafter/samples?after=SEQ&max_bytes=N`` (captured samples, safetensors blob),
+  ``GET /drafter/target`` (the target's embedding / norm / head + config, safetensors blob),
+  ``POST /drafter/trainer_status`` (its report).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tlt_serve.sampling_params import ParamError
+from tlt_serve.server.bridge import ControlFailed
+from tlt_serve.server.errors import decode_body
+from tlt_serve.server.protocol_drafter import (
+    GateOut,
+    TrainerReport,
+    UpdateDrafterOut,
+    UpdateDrafterReq,
+)
+from tlt_serve.server.state import ServerState, get_state, json_response
+
+BLOB = "application/octet-stream"
+
+
+def drafter_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/update_drafter_from_disk")
+    async def update_from_disk(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), UpdateDrafterReq)
+        if not req.path:
+            raise ParamError("path", "must be a drafter checkpoint directory")
+        if req.version is not None and req.version < 0:
+            raise ParamError("version", f"must be >= 0, got {req.version}")
+        try:
+            payload = await st.client.call(
+                "update_drafter_from_disk", path=req.path, version=req.version
+            )
+        except ControlFailed as err:
+            info = await st.client.call("drafter_info")
+            out = UpdateDrafterOut(False, str(err), info["drafter_version"])
+            return json_response(out, status=400)
+        return json_response(
+            UpdateDrafterOut(True, payload["message"], payload["drafter_version"])
+        )
+
+    @router.get("/get_drafter_info")
+    async def drafter_info(request: Request) -> Response:
+        st = get_state(request)
+        info = await st.client.call("drafter_info")
+        tr = st.training
+        info["training"] = {
+            "enabled": st.config.training.enabled,
+            "paused": tr.paused,
+            "gate": gate(st),
+            "trainer": tr.report,
+            "reported_at": tr.reported_at,
+            "restarts": tr.restarts,
+        }
+        return json_response(info)
+
+    @router.post("/pause_drafter_training")
+    async def pause_training(request: Request) -> Response:
+        get_state(request).training.paused = True
+        return json_response({"success": True, "paused": True})
+
+    @router.post("/resume_drafter_training")
+    async def resume_training(request: Request) -> Response:
+        get_state(request).training.paused = False
+        return json_response({"success": True, "paused": False})
+
+    @router.get("/drafter/gate")
+    async def get_gate(request: Request) -> Response:
+        return json_response(gate(get_state(request)))
+
+    @router.get("/drafter/samples")
+    async def samples(request: Request, after: int = 0, max_bytes: int = 64 << 20) -> Response:
+        st = get_state(request)
+        if after < 0:
+            raise ParamError("after", f"must be >= 0, got {after}")
+        if max_bytes < 1:
+            raise ParamError("max_bytes", f"must be >= 1, got {max_bytes}")
+        payload = await st.client.call("capture_take", after=after, max_bytes=max_bytes)
+        headers = {
+            "x-count": str(payload["count"]),
+            "x-last-seq": str(payload["last_seq"]),
+            "x-newest-seq": str(payload["newest_seq"]),
+        }
+        return Response(payload["data"], media_type=BLOB, headers=headers)
+
+    @router.get("/drafter/target")
+    async def target(request: Request) -> Response:
+        payload = await get_state(request).client.call("drafter_target")
+        headers = {"x-weight-version": payload["weight_version"]}
+        return Response(payload["data"], media_type=BLOB, headers=headers)
+
+    @router.post("/drafter/trainer_status")
+    async def trainer_status(request: Request) -> Response:
+        st = get_state(request)
+        st.training.report = decode_body(await request.body(), TrainerReport)
+        st.training.reported_at = time.time()
+        return json_response({"success": True, "paused": st.training.paused})
+
+    return router
+
+
+def gate(st: ServerState) -> GateOut:
+    """Spare capacity: at most ``max_running`` requests in flight (running or queued)."""
+    limit = st.config.training.max_running
+    busy = st.client.in_flight()
+    if st.training.paused:
+        ok, reason = False, "training paused"
+    elif busy > limit:
+        ok, reason = False, f"{busy} requests in flight > {limit}"
+    else:
+        ok, reason = True, "idle enough"
+    return GateOut(ok, reason, busy, limit, st.training.paused, st.client.weight_version)
