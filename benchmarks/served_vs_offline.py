@@ -13,11 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +20,7 @@ import httpx
 from tqdm import tqdm
 
 from benchmarks.prompts import chat_messages
+from benchmarks.serverproc import running_server
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
 
@@ -85,27 +81,6 @@ async def served(url: str, reqs: list[tuple[list[int], int]], concurrency: int) 
     return {"seconds": dt, "tokens": tokens, "tok_s": tokens / dt}
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "tlt_serve.server.cli", "serve", "--model", args.model,
-        "--port", str(port), "--dtype", args.dtype, "--max-num-seqs", str(args.concurrency),
-        "--max-model-len", str(args.max_model_len), "--log-level", "warning",
-    ]
-    proc = subprocess.Popen(cmd, env=os.environ.copy())
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError("server exited during start-up")
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -129,15 +104,12 @@ def main() -> None:
     )
     off = offline(cfg, reqs)
     print(f"offline: {off['tok_s']:.1f} tok/s ({off['tokens']} tokens, {off['seconds']:.1f} s)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = start_server(args, port)
-    try:
-        srv = asyncio.run(served(f"http://127.0.0.1:{port}", reqs, args.concurrency))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+    server_args = [
+        "--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(args.concurrency),
+        "--max-model-len", str(args.max_model_len),
+    ]
+    with running_server(server_args) as url:
+        srv = asyncio.run(served(url, reqs, args.concurrency))
     ratio = srv["tok_s"] / off["tok_s"]
     print(f"served:  {srv['tok_s']:.1f} tok/s ({srv['tokens']} tokens, {srv['seconds']:.1f} s)")
     print(f"served / offline = {ratio:.3f}")

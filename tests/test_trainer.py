@@ -22,7 +22,8 @@ from trainer.cli import build_parser, config_from_args, main
 from trainer.data import Sample
 from trainer.packing import batches, make_batch, pack_rows, segments
 from trainer.prompts import build_prompts
-from trainer.train import TrainConfig, head_target, step_loss
+from trainer.target import head_target
+from trainer.train import TrainConfig, step_loss
 from trainer.unroll import chain_forward, shift
 from trainer.warmup import WarmupResult, warmup
 

@@ -185,5 +185,10 @@ class ServerConfig:
         self.training.validate()
         if self.training.enabled and not self.engine.capture.enabled:
             raise ConfigError("capture: --train-drafter trains on captured samples (enable it)")
+        if self.training.enabled and self.engine.spec.proposer != "drafter":
+            raise ConfigError(
+                "drafter: --train-drafter improves a served drafter: give --speculative "
+                "drafter|auto --drafter PATH (e.g. from tlt-train warmup)"
+            )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: must be in [0, 65535], got {self.port}")

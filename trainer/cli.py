@@ -1,12 +1,22 @@
-"""``tlt-train warmup --model M --out PATH``: train a drafter for M from M's own outputs."""
+"""``tlt-train warmup --model M --out PATH``: train a drafter for M from M's own outputs.
+``tlt-train online --server URL --state-dir DIR``: keep a running server's drafter fresh."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
+import signal
 import sys
+import time
+
+import torch
 
 from trainer.data import DataConfig
+from trainer.link import LinkError, ServerLink
+from trainer.online import OnlineConfig, OnlineTrainer
 from trainer.train import TrainConfig
 from trainer.warmup import DTYPES, WarmupConfig, warmup
 
@@ -102,7 +112,63 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="keep generated data + features here and reuse them when they match",
     )
+    o = sub.add_parser(
+        "online",
+        help="keep a running server's drafter up to date (trains in its idle gaps)",
+        description="Pull captured samples from a tlt-serve server started with --capture, "
+        "train the drafter while the server is idle enough, and hot-swap better drafters in.",
+    )
+    oc = OnlineConfig()
+    o.add_argument("--server", default=oc.server, metavar="URL")
+    o.add_argument("--state-dir", required=True, metavar="DIR", help="checkpoints + published")
+    o.add_argument("--init", default=None, metavar="PATH", help="drafter to start from")
+    o.add_argument("--api-key", default=os.environ.get("TLT_SERVE_API_KEY"))
+    o.add_argument("--lr", type=float, default=oc.lr)
+    o.add_argument("--row-len", type=int, default=oc.row_len, metavar="L")
+    o.add_argument("--accum", type=int, default=oc.accum, metavar="N")
+    o.add_argument("--eval-every", type=int, default=oc.eval_every, metavar="STEPS")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--threads", type=int, default=None, metavar="N")
+    o.add_argument("--log-level", default="info")
     return parser
+
+
+def online_config(args: argparse.Namespace) -> OnlineConfig:
+    return OnlineConfig(
+        server=args.server,
+        state_dir=args.state_dir,
+        init=args.init,
+        api_key=args.api_key,
+        lr=args.lr,
+        row_len=args.row_len,
+        accum=args.accum,
+        eval_every=args.eval_every,
+        seed=args.seed,
+    )
+
+
+def run_online(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    cfg = online_config(args)
+    try:
+        cfg.validate()
+    except ValueError as err:
+        parser.error(str(err))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    link = ServerLink(cfg.server, cfg.api_key)
+    trainer = None
+    while trainer is None:  # the server may still be starting
+        try:
+            trainer = OnlineTrainer(cfg, link)
+        except LinkError as err:
+            logging.getLogger("trainer.online").warning("waiting for the server: %s", err)
+            time.sleep(2.0)
+    signal.signal(signal.SIGTERM, lambda *_: trainer.stop.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        trainer.run()
+    trainer.checkpoint()
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> WarmupConfig:
@@ -142,6 +208,8 @@ def flag_message(err: Exception) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "online":
+        return run_online(args, parser)
     cfg = config_from_args(args)
     try:
         cfg.validate()

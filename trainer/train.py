@@ -12,13 +12,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from tlt_serve.models.llama import LlamaModel
 from tlt_serve.spec.drafter import DrafterModel
 from trainer.data import Sample
 from trainer.evaluate import AcceptStats, HeldOut, offline_accept
@@ -72,31 +71,6 @@ class History:
     ce: list[float] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, top-1)
     epochs: int = 0
-
-
-def head_target(model: LlamaModel, max_positions: int) -> LlamaModel:
-    """An fp32 stand-in for the target holding only its embedding, head and rotary table.
-
-    The drafter borrows exactly these; their values are the target's (bf16 weights become
-    the same values in fp32), so what is learnt transfers to the served target.
-    """
-    cfg = replace(model.cfg, num_layers=0)
-    with torch.device("meta"):
-        stub = LlamaModel(cfg, max_positions)
-    stub = stub.to_empty(device=model.embed_tokens.weight.device).float()
-    with torch.no_grad():
-        stub.embed_tokens.weight.copy_(model.embed_tokens.weight.float())
-        if cfg.tie_word_embeddings:
-            stub.lm_head.weight = stub.embed_tokens.weight
-        else:
-            stub.lm_head.weight.copy_(model.lm_head.weight.float())
-        stub.norm.weight.copy_(model.norm.weight.float())
-    from tlt_serve.models.rope import cos_sin_table
-
-    stub.rope_table = cos_sin_table(cfg.rope, cfg.head_dim, max_positions).to(
-        model.embed_tokens.weight.device
-    )
-    return stub.eval().requires_grad_(False)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

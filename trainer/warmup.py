@@ -33,7 +33,8 @@ from trainer.data import (
 from trainer.evaluate import AcceptStats, offline_accept, prepare_heldout
 from trainer.packing import batches
 from trainer.prompts import build_prompts
-from trainer.train import History, TrainConfig, head_target, train
+from trainer.target import head_target
+from trainer.train import History, TrainConfig, train
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

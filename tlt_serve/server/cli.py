@@ -25,6 +25,8 @@ from tlt_serve.config import (
 from tlt_serve.models.provision import DEFAULT_MODEL
 from tlt_serve.server.app import build_app
 from tlt_serve.server.bridge import EngineClient, EngineStartError
+from tlt_serve.server.state import TrainingState
+from tlt_serve.server.supervisor import TrainerSupervisor
 
 GRACEFUL_SHUTDOWN_S = 30  # after aborting, how long in-flight responses get to be written
 
@@ -132,10 +134,19 @@ class _Server(uvicorn.Server):
     its partial output (finish_reason abort) instead of holding shutdown until it completes.
     """
 
-    def __init__(self, config: uvicorn.Config, client: EngineClient, model: str) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        client: EngineClient,
+        server_config: ServerConfig,
+        training: TrainingState,
+    ) -> None:
         super().__init__(config)
         self.client = client
-        self.model = model
+        self.server_config = server_config
+        self.training = training
+        self.model = server_config.served_model_name or server_config.engine.model.model
+        self.trainer: TrainerSupervisor | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.client.closing = True  # new requests get 503 from here on
@@ -143,6 +154,8 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        if self.trainer is not None:
+            await asyncio.to_thread(self.trainer.stop)
         await super().shutdown(sockets)
         # uvicorn re-raises a caught SIGTERM/SIGINT once serving ends, which ends the process
         # on the spot: stop the engine process cleanly before that.
@@ -154,13 +167,17 @@ class _Server(uvicorn.Server):
             return
         host, port = self.servers[0].sockets[0].getsockname()[:2]
         print(f"tlt-serve ready: http://{host}:{port} (model {self.model})", flush=True)
+        if self.server_config.training.enabled:
+            url = f"http://{host}:{port}"
+            self.trainer = TrainerSupervisor(self.server_config, url, self.training)
+            self.trainer.start()
 
 
 def serve(config: ServerConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     client = EngineClient(config.engine, config.log_level)
     try:
-        info = client.start()
+        client.start()
     except EngineStartError as err:
         print(f"tlt-serve: {err}", file=sys.stderr)
         return 1
@@ -170,7 +187,7 @@ def serve(config: ServerConfig) -> int:
             app, host=config.host, port=config.port, log_level=config.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        _Server(uv_config, client, config.served_model_name or info.model).run()
+        _Server(uv_config, client, config, app.state.tlt.training).run()
     finally:
         client.shutdown()
     return 0

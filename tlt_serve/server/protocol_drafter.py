@@ -21,7 +21,8 @@ class UpdateDrafterOut(Struct):
 class TrainerReport(Struct, forbid_unknown_fields=True):
     """What the trainer tells the server about itself (shown by /get_drafter_info)."""
 
-    state: str  # waiting | training | evaluating | publishing
+    state: str  # starting | waiting | starving | training | evaluating
+    pid: int | None = None  # the trainer's process
     step: int = 0
     published_version: int | None = None
     samples_seen: int = 0

@@ -67,6 +67,7 @@ def drafter_routes() -> APIRouter:
             "trainer": tr.report,
             "reported_at": tr.reported_at,
             "restarts": tr.restarts,
+            "pid": tr.pid,
         }
         return json_response(info)
 

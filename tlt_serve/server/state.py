@@ -24,6 +24,7 @@ class TrainingState:
     report: TrainerReport | None = None
     reported_at: float | None = None  # unix time of the last report
     restarts: int = 0  # trainer processes restarted by the supervisor
+    pid: int | None = None  # the running trainer process (started by the supervisor)
 
 
 @dataclass

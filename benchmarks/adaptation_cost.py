@@ -1,0 +1,87 @@
+"""What online adaptation costs serving under full load: capture, and the idle trainer.
+
+The same closed-loop workload (``concurrency`` clients, greedy, varied lengths) against three
+server configurations, interleaved over ``rounds`` (this machine is shared and noisy):
+``base`` (speculating with a drafter, as deployed), ``capture`` (+ ``--capture``) and
+``trainer`` (+ ``--train-drafter``: capture, and the trainer process polling its gate, which
+stays closed while requests are in flight). Reported as medians and ratios to ``base``.
+
+    python -m benchmarks.adaptation_cost --drafter PATH --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.served_vs_offline import served, workload
+from benchmarks.serverproc import running_server
+from tlt_serve.models.provision import resolve_model_path
+from tlt_serve.models.tokenizer import load_tokenizer
+
+
+def wait_for_trainer(url: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = httpx.get(f"{url}/get_drafter_info", timeout=30).json()["training"]
+        if info["trainer"] is not None:
+            return
+        time.sleep(1.0)
+    raise RuntimeError("the trainer never reported")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=192)
+    ap.add_argument("--min-new", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/adaptation_cost.json")
+    args = ap.parse_args()
+    reqs = workload(load_tokenizer(resolve_model_path(args.model)), args.requests,
+                    args.min_new, args.max_new)
+    base = ["--model", args.model, "--dtype", args.dtype, "--max-num-seqs",
+            str(args.concurrency), "--max-model-len", "1024", "--speculative", "auto",
+            "--drafter", str(Path(args.drafter).expanduser().resolve())]
+    state = tempfile.mkdtemp(prefix="tlt-trainer-")
+    configs = {
+        "base": base,
+        "capture": [*base, "--capture"],
+        "trainer": [*base, "--train-drafter", "--trainer-state-dir", state],
+    }
+    runs: dict[str, list[float]] = {name: [] for name in configs}
+    for r in range(args.rounds):
+        for name, server_args in configs.items():
+            with running_server(server_args) as url:
+                if name == "trainer":
+                    wait_for_trainer(url)
+                res = asyncio.run(served(url, reqs, args.concurrency))
+            runs[name].append(res["tok_s"])
+            print(f"round {r + 1} {name}: {res['tok_s']:.1f} tok/s", flush=True)
+    med = {name: statistics.median(v) for name, v in runs.items()}
+    out = {
+        "benchmark": "adaptation_cost",
+        "args": vars(args),
+        "tok_s": runs,
+        "median_tok_s": med,
+        "ratio_to_base": {name: med[name] / med["base"] for name in med},
+    }
+    print(json.dumps(out["ratio_to_base"], indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

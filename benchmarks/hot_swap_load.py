@@ -1,0 +1,150 @@
+"""Hot-swap under load: many concurrent requests while drafters are swapped again and again.
+
+Two servers in one run, same fp32 model and greedy requests: (1) plain decoding, the
+reference; (2) speculating with a drafter (at every batch size) while a swapper posts
+``/update_drafter_from_disk`` in a loop, alternating two checkpoints with increasing
+versions. Every request of (2) must succeed, be well-formed, report versions that exist,
+and produce exactly the tokens of (1).
+
+    python -m benchmarks.hot_swap_load --drafters A,B --requests 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from benchmarks.prompts import chat_messages
+from benchmarks.serverproc import running_server
+from tlt_serve.models.provision import resolve_model_path
+from tlt_serve.models.tokenizer import load_tokenizer
+
+
+async def fire(url: str, prompts: list[list[int]], new: int, desc: str) -> list[Any]:
+    """All requests at once (half streamed); each result is the final body or an error."""
+    bar = tqdm(total=len(prompts), desc=desc)
+    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+
+    async def one(http: httpx.AsyncClient, i: int) -> Any:
+        body = {"input_ids": prompts[i], "sampling_params": params, "stream": i % 2 == 1}
+        try:
+            if not body["stream"]:
+                resp = await http.post("/generate", json=body)
+                out = resp.json() if resp.status_code == 200 else f"HTTP {resp.status_code}"
+            else:
+                out = None
+                async with http.stream("POST", "/generate", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            out = json.loads(line[6:])
+        except (httpx.HTTPError, json.JSONDecodeError) as err:
+            out = f"{type(err).__name__}: {err}"
+        bar.update(1)
+        return out
+
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as http:
+        results = await asyncio.gather(*(one(http, i) for i in range(len(prompts))))
+    bar.close()
+    return list(results)
+
+
+async def swapping(url: str, drafters: list[str], stop: asyncio.Event) -> list[dict]:
+    swaps: list[dict] = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        while not stop.is_set():
+            v = len(swaps) + 1
+            t0 = time.perf_counter()
+            resp = await http.post(
+                "/update_drafter_from_disk", json={"path": drafters[v % 2], "version": v}
+            )
+            swaps.append({"version": v, "status": resp.status_code, "ok": resp.json()["success"],
+                          "seconds": round(time.perf_counter() - t0, 3)})
+            await asyncio.sleep(0.05)
+    return swaps
+
+
+async def swapped_run(url: str, prompts: list[list[int]], new: int, drafters: list[str]):
+    stop = asyncio.Event()
+    swapper = asyncio.create_task(swapping(url, drafters, stop))
+    results = await fire(url, prompts, new, "spec + swaps")
+    stop.set()
+    return results, await swapper
+
+
+def check(ref: list[Any], got: list[Any], new: int, max_version: int) -> dict[str, Any]:
+    failed = [i for i, g in enumerate(got) if not isinstance(g, dict)]
+    malformed, mismatched, multi = [], [], 0
+    for i, g in enumerate(got):
+        if i in failed:
+            continue
+        meta = g.get("meta_info", {})
+        versions = meta.get("drafter_versions")
+        ok = (
+            len(g.get("output_ids", [])) == new
+            and isinstance(versions, list)
+            and all(0 <= v <= max_version for v in versions)
+            and versions == sorted(versions)
+            and meta.get("finish_reason", {}).get("type") == "length"
+        )
+        if not ok:
+            malformed.append(i)
+        elif not isinstance(ref[i], dict) or g["output_ids"] != ref[i]["output_ids"]:
+            mismatched.append(i)
+        multi += bool(versions) and len(versions) > 1
+    return {"requests": len(got), "failed": len(failed), "malformed": len(malformed),
+            "mismatched": len(mismatched), "requests_seeing_several_drafters": multi,
+            "examples": [got[i] for i in failed[:3]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--drafters", required=True, help="two checkpoints, comma-separated")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--out", default="benchmarks/results/hot_swap_load.json")
+    args = ap.parse_args()
+    drafters = [str(Path(d).expanduser().resolve()) for d in args.drafters.split(",")]
+    if len(drafters) != 2:
+        ap.error("--drafters: give two checkpoints")
+    tok = load_tokenizer(resolve_model_path(args.model))
+    prompts = [tok.apply_chat_template(chat_messages(i)) for i in range(args.requests)]
+    common = ["--model", args.model, "--dtype", "float32", "--max-num-seqs",
+              str(args.max_num_seqs), "--max-model-len", "1024"]
+    t0 = time.perf_counter()
+    with running_server(common) as url:
+        ref = asyncio.run(fire(url, prompts, args.new_tokens, "plain"))
+    plain_s = time.perf_counter() - t0
+    spec = ["--speculative", "drafter", "--drafter", drafters[0], "--spec-max-batch",
+            str(args.max_num_seqs)]
+    t0 = time.perf_counter()
+    with running_server(common + spec) as url:
+        got, swaps = asyncio.run(swapped_run(url, prompts, args.new_tokens, drafters))
+    spec_s = time.perf_counter() - t0
+    report = check(ref, got, args.new_tokens, len(swaps))
+    report.update(
+        benchmark="hot_swap_load",
+        args=vars(args),
+        swaps=len(swaps),
+        swaps_failed=sum(1 for s in swaps if not s["ok"]),
+        swap_seconds_median=sorted(s["seconds"] for s in swaps)[len(swaps) // 2] if swaps else None,
+        plain_failed=sum(1 for r in ref if not isinstance(r, dict)),
+        wall_s={"plain": round(plain_s, 1), "spec_with_swaps": round(spec_s, 1)},
+    )
+    print(json.dumps({k: v for k, v in report.items() if k != "examples"}, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

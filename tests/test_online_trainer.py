@@ -1,0 +1,159 @@
+"""The online trainer against a real server: it pulls captured samples, trains only while
+the gate is open, publishes a candidate only when the promotion guard scores it better, the
+server serves it (outputs still exact), and a restarted trainer resumes from its checkpoint
+(skipping a corrupt one)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_server_harness import Served, serve, wait_for
+from tests.test_server_lifecycle import read_ready_url, start_cli
+from tests.test_spec_engine import make_llm
+from tests.tiny import make_tiny_drafter
+from tlt_serve import SamplingParams
+from tlt_serve.config import CaptureConfig, SpecConfig
+from trainer.link import ServerLink
+from trainer.online import OnlineConfig, OnlineTrainer
+from trainer.state import checkpoints
+from trainer.store import StoreConfig
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?", "Bonjour, ça va?",
+           "Speculative decoding drafts tokens", "Reinforcement learning trains"]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_drafter(tiny_model_dir, tmp_path_factory.mktemp("online") / "d", seed=31)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, drafter_dir: Path) -> Iterator[Served]:
+    spec = SpecConfig(method="drafter", drafter=str(drafter_dir), max_batch=64)
+    s = serve(tiny_model_dir, spec=spec, capture=CaptureConfig(enabled=True))
+    yield s
+    s.stop()
+
+
+def rollout(s: Served, n: int = 4, temperature: float = 1.0) -> list[dict]:
+    params = {"max_new_tokens": 48, "temperature": temperature, "n": n, "ignore_eos": True}
+    with s.http(timeout=600) as http:  # generous: CI machines are shared
+        resp = http.post("/generate", json={"text": PROMPTS, "sampling_params": params})
+    assert resp.status_code == 200, resp.text
+    out: list[dict] = resp.json()
+    return out
+
+
+def config(server: Served, state: Path, drafter_dir: Path, **kw: object) -> OnlineConfig:
+    base: dict[str, object] = {
+        "server": server.base_url, "state_dir": str(state), "init": str(drafter_dir),
+        "row_len": 64, "accum": 2, "lr": 3e-3, "min_train_tokens": 256, "pull_every_s": 0.0,
+        "eval_every": 10, "eval_rows": 4, "checkpoint_every": 10, "report_every_s": 0.0,
+        "store": StoreConfig(heldout_every=4),
+    }
+    return OnlineConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_trains_publishes_and_serves_exactly(
+    server: Served, drafter_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    rollout(server)
+    trainer = OnlineTrainer(config(server, tmp_path, drafter_dir), ServerLink(server.base_url))
+    assert trainer.tick() == "pulled" and trainer.cursor == len(PROMPTS) * 4
+    did = [trainer.tick() for _ in range(400) if trainer.published_version == 0]
+    assert "published" in did, trainer.verdict
+    assert trainer.verdict and trainer.verdict["candidate"] > trainer.verdict["served"]
+    assert (tmp_path / "published" / "v1" / "config.json").is_file()
+    trainer.report()
+    with server.http() as http:
+        info = http.get("/get_drafter_info").json()
+        assert info["drafter_version"] == 1
+        assert info["training"]["trainer"]["published_version"] == 1
+    expect = make_llm(tiny_model_dir).generate(
+        PROMPTS, SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True))
+    for got, want in zip(rollout(server, n=1, temperature=0.0), expect, strict=True):
+        assert got["output_ids"] == want.samples[0].token_ids
+        assert got["meta_info"]["drafter_versions"] == [1]
+
+
+def test_waits_while_busy_or_paused(server: Served, drafter_dir: Path, tmp_path: Path) -> None:
+    trainer = OnlineTrainer(config(server, tmp_path, drafter_dir), ServerLink(server.base_url))
+    with server.http() as http:
+        http.post("/pause_drafter_training")
+        assert trainer.tick() == "waiting"
+        http.post("/resume_drafter_training")
+    busy = threading.Thread(target=rollout, args=(server, 16))
+    busy.start()
+    try:
+        seen = set()
+        while busy.is_alive():
+            seen.add(trainer.tick())
+    finally:
+        busy.join()
+    assert "waiting" in seen
+    wait_for(lambda: trainer.tick() != "waiting")  # the last response may still be closing
+
+
+def test_restart_resumes_and_skips_a_corrupt_checkpoint(
+    server: Served, drafter_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rollout(server)
+    cfg = config(server, tmp_path, drafter_dir)
+    first = OnlineTrainer(cfg, ServerLink(server.base_url))
+    while first.step < 3:
+        first.tick()
+    saved = first.checkpoint()
+    (tmp_path / "ckpt-999999999.pt").write_bytes(b"not a checkpoint")
+    with caplog.at_level(logging.ERROR, logger="trainer.state"):
+        again = OnlineTrainer(cfg, ServerLink(server.base_url))
+    assert "ckpt-999999999.pt is unusable" in caplog.text
+    assert (again.step, again.cursor) == (first.step, first.cursor)
+    for name, tensor in first.drafter.state_dict().items():
+        assert (again.drafter.state_dict()[name] == tensor).all(), name
+    assert saved in checkpoints(tmp_path)
+
+
+def test_server_supervises_the_trainer_through_sigkill(
+    tiny_model_dir: Path, drafter_dir: Path, tmp_path: Path
+) -> None:
+    """--train-drafter: the server starts the trainer; SIGKILL mid-training leaves serving
+    untouched, the supervisor restarts it, and it resumes from its checkpoint."""
+    state = tmp_path / "state"
+    proc = start_cli(str(tiny_model_dir), "--max-num-seqs", "8", "--speculative", "drafter",
+                     "--drafter", str(drafter_dir), "--train-drafter", "--trainer-state-dir",
+                     str(state))
+    try:
+        url = read_ready_url(proc)
+        with httpx.Client(base_url=url, timeout=600) as http:
+            params = {"max_new_tokens": 48, "temperature": 1.0, "n": 8, "ignore_eos": True}
+            assert http.post("/generate", json={"text": PROMPTS, "sampling_params": params}
+                             ).status_code == 200
+
+            def training() -> dict:
+                return http.get("/get_drafter_info").json()["training"]
+
+            wait_for(lambda: checkpoints(state), timeout=300, interval=0.5)
+            ckpt_step = int(checkpoints(state)[0].stem.split("-")[1])
+            first = training()
+            assert first["enabled"] and first["pid"] and first["restarts"] == 0
+            os.kill(first["pid"], signal.SIGKILL)
+            out = http.post("/generate", json={"text": PROMPTS[0], "sampling_params": {
+                "max_new_tokens": 8, "temperature": 0}})
+            assert out.status_code == 200 and len(out.json()["output_ids"]) == 8
+            after = wait_for(lambda: (t := training())["restarts"] == 1 and t["pid"] and t,
+                             timeout=60)
+            assert after["pid"] != first["pid"]
+            resumed = wait_for(lambda: (t := training()["trainer"])["pid"] == after["pid"] and t,
+                               timeout=120, interval=0.5)
+            assert resumed["step"] >= ckpt_step  # it started from the checkpoint, not from 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)

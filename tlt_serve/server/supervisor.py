@@ -1,0 +1,86 @@
+"""Runs the co-located drafter trainer (``python -m trainer online``) beside the server.
+
+Its own process: a crash in the trainer never touches serving; the supervisor restarts it
+after ``restart_delay_s`` (it resumes from its newest good checkpoint) and counts restarts
+for ``/get_drafter_info``. The API key reaches it through the environment, never argv (which
+other users can read). On shutdown it gets SIGTERM, checkpoints and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from tlt_serve.config import ServerConfig
+from tlt_serve.models.provision import default_cache_dir
+from tlt_serve.server.state import TrainingState
+
+log = logging.getLogger("tlt_serve.supervisor")
+STOP_WAIT_S = 30.0  # SIGTERM → checkpoint → exit; then SIGKILL
+
+
+def trainer_state_dir(config: ServerConfig) -> Path:
+    if config.training.state_dir:
+        return Path(config.training.state_dir)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", config.engine.model.model).strip("_") or "model"
+    return default_cache_dir() / "trainer" / name
+
+
+def trainer_command(config: ServerConfig, url: str) -> list[str]:
+    cmd = [sys.executable, "-m", "trainer", "online", "--server", url,
+           "--state-dir", str(trainer_state_dir(config)), "--seed", str(config.engine.seed),
+           "--log-level", config.log_level]
+    if config.engine.spec.drafter:
+        cmd += ["--init", config.engine.spec.drafter]
+    return cmd
+
+
+class TrainerSupervisor:
+    def __init__(self, config: ServerConfig, url: str, state: TrainingState) -> None:
+        self.cmd = trainer_command(config, url)
+        self.env = dict(os.environ)
+        if config.api_key:
+            self.env["TLT_SERVE_API_KEY"] = config.api_key
+        self.delay = config.training.restart_delay_s
+        self.state = state
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="trainer-supervisor", daemon=True)
+
+    def start(self) -> None:
+        log.info("starting the drafter trainer: %s", " ".join(self.cmd))
+        self._thread.start()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self.proc = subprocess.Popen(self.cmd, env=self.env)
+            self.state.pid = self.proc.pid
+            code = self.proc.wait()
+            self.state.pid = None
+            if self._stopping.is_set():
+                return
+            self.state.restarts += 1
+            log.warning("drafter trainer exited (code %s); restart %d in %.1fs",
+                        code, self.state.restarts, self.delay)
+            self._stopping.wait(self.delay)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._thread.join(STOP_WAIT_S)
