@@ -136,6 +136,9 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "cpu_count": len(__import__("os").sched_getaffinity(0)),
         "results": results,
+        # Median tokens/s per batch-size bucket and strategy, as the adaptive policy measured
+        # them: where it chose to speculate, and with what.
+        "adaptive_policy": llms["adaptive"].engine.spec.policy.table(),
         "command": "python -m benchmarks.spec_decode "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
     }

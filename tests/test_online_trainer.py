@@ -121,11 +121,16 @@ def test_restart_resumes_and_skips_a_corrupt_checkpoint(
     assert saved in checkpoints(tmp_path)
 
 
+def proc_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def test_server_supervises_the_trainer_through_sigkill(
     tiny_model_dir: Path, drafter_dir: Path, tmp_path: Path
 ) -> None:
-    """--train-drafter: the server starts the trainer; SIGKILL mid-training leaves serving
-    untouched, the supervisor restarts it, and it resumes from its checkpoint."""
+    """--train-drafter: the server starts the trainer and suspends it while requests run;
+    SIGKILL mid-training leaves serving untouched, the supervisor restarts it, and it
+    resumes from its checkpoint."""
     state = tmp_path / "state"
     proc = start_cli(str(tiny_model_dir), "--max-num-seqs", "8", "--speculative", "drafter",
                      "--drafter", str(drafter_dir), "--train-drafter", "--trainer-state-dir",
@@ -144,6 +149,16 @@ def test_server_supervises_the_trainer_through_sigkill(
             ckpt_step = int(checkpoints(state)[0].stem.split("-")[1])
             first = training()
             assert first["enabled"] and first["pid"] and first["restarts"] == 0
+            # Load returns: the server suspends the trainer at once, and resumes it after.
+            long = {"max_new_tokens": 200, "temperature": 0, "n": 4, "ignore_eos": True}
+            busy = threading.Thread(target=http.post, args=("/generate",),
+                                    kwargs={"json": {"text": PROMPTS[0], "sampling_params": long}})
+            busy.start()
+            wait_for(lambda: training()["suspended"], timeout=30, interval=0.01)
+            assert proc_state(first["pid"]) == "T"
+            busy.join()
+            wait_for(lambda: not training()["suspended"], timeout=30)
+            assert proc_state(first["pid"]) != "T"
             os.kill(first["pid"], signal.SIGKILL)
             out = http.post("/generate", json={"text": PROMPTS[0], "sampling_params": {
                 "max_new_tokens": 8, "temperature": 0}})

@@ -39,11 +39,18 @@ def served_drafter(tiny_model_dir: Path, drafters: list[Path]) -> Iterator[Serve
 
 def test_cli_capture_and_training_flags() -> None:
     cfg = parse_args(["serve", "--train-drafter", "--train-max-running", "2",
-                      "--capture-max-mb", "64", "--capture-sample-rate", "0.5"])
+                      "--capture-max-mb", "64", "--capture-sample-rate", "0.5",
+                      "--speculative", "auto", "--drafter", "/d"])
     assert cfg.engine.capture.enabled and cfg.training.enabled  # training implies capture
     assert (cfg.engine.capture.max_bytes, cfg.engine.capture.sample_rate) == (64 << 20, 0.5)
     assert cfg.training.max_running == 2
     assert not parse_args(["serve"]).engine.capture.enabled
+
+
+def test_cli_training_needs_a_drafter(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["serve", "--train-drafter"])
+    assert exc.value.code == 2 and "--drafter" in capsys.readouterr().err
 
 
 def test_swaps_under_load_keep_outputs_and_report_versions(

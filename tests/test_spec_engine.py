@@ -46,7 +46,9 @@ def spec_configs(drafters: dict[str, Path], **kw: int) -> dict[str, SpecConfig]:
     out["tree"] = SpecConfig(
         method="drafter", drafter=str(drafters["plain"]), tree_topk=3, verify_budget=7, **kw
     )
-    out["auto"] = SpecConfig(method="auto", drafter=str(drafters["plain"]), **kw)
+    out["auto"] = SpecConfig(
+        method="auto", drafter=str(drafters["plain"]), auto_trees=((4, 2, 8),), **kw
+    )
     return out
 
 

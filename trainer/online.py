@@ -52,7 +52,7 @@ class OnlineConfig:
     api_key: str | None = None
     seed: int = 0
     rows: int = 1  # packed rows per micro-step
-    row_len: int = 128  # pairs per row: a micro-step stays well under ~200 ms here
+    row_len: int = 64  # pairs per row: a tick takes ~130 ms here (benchmarks/trainer_yield.py)
     accum: int = 4  # micro-steps per optimizer step
     lr: float = 1e-3
     warmup_steps: int = 10

@@ -15,7 +15,7 @@ import multiprocessing as mp
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -87,6 +87,8 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future[Reply]] = {}
         self._call_ids = itertools.count()
         self._threads: list[threading.Thread] = []
+        # Called with the new in-flight count whenever it changes (event-loop thread).
+        self.load_listeners: list[Callable[[int], None]] = []
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self, timeout: float = 900.0) -> EngineInfo:
@@ -193,6 +195,7 @@ class EngineClient:
         state = StreamState(rid, subs, loop)
         self._streams[rid] = state
         self._subs.update({s: state for s in subs})
+        self._load_changed()
         self._outbox.put(AddRequest(rid, list(prompt_ids), params))
         try:
             await state.accepted
@@ -235,9 +238,14 @@ class EngineClient:
         """Front-end requests still streaming."""
         return len(self._streams)
 
+    def _load_changed(self) -> None:
+        for listener in self.load_listeners:
+            listener(len(self._streams))
+
     def _forget(self, state: StreamState) -> None:
         if self._streams.get(state.rid) is state:
             del self._streams[state.rid]
+            self._load_changed()
         for sub in state.subs:
             if self._subs.get(sub) is state:
                 del self._subs[sub]

@@ -170,6 +170,7 @@ class _Server(uvicorn.Server):
         if self.server_config.training.enabled:
             url = f"http://{host}:{port}"
             self.trainer = TrainerSupervisor(self.server_config, url, self.training)
+            self.client.load_listeners.append(self.trainer.on_load)
             self.trainer.start()
 
 

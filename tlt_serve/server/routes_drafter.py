@@ -68,6 +68,7 @@ def drafter_routes() -> APIRouter:
             "reported_at": tr.reported_at,
             "restarts": tr.restarts,
             "pid": tr.pid,
+            "suspended": tr.suspended,
         }
         return json_response(info)
 

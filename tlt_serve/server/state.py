@@ -25,6 +25,7 @@ class TrainingState:
     reported_at: float | None = None  # unix time of the last report
     restarts: int = 0  # trainer processes restarted by the supervisor
     pid: int | None = None  # the running trainer process (started by the supervisor)
+    suspended: bool = False  # SIGSTOPped by the supervisor while load is high
 
 
 @dataclass

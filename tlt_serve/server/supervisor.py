@@ -2,8 +2,12 @@
 
 Its own process: a crash in the trainer never touches serving; the supervisor restarts it
 after ``restart_delay_s`` (it resumes from its newest good checkpoint) and counts restarts
-for ``/get_drafter_info``. The API key reaches it through the environment, never argv (which
-other users can read). On shutdown it gets SIGTERM, checkpoints and exits.
+for ``/get_drafter_info``. Load comes first: the moment more than ``max_running`` requests
+are in flight the trainer process is suspended (SIGSTOP) and it resumes (SIGCONT) when load
+drops again — it yields the cores at once, not after its current micro-step (the trainer's
+own gate check stays as the mechanism for a trainer the server does not supervise).
+The API key reaches it through the environment, never argv (which other users can read).
+On shutdown it gets SIGTERM, checkpoints and exits.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -47,7 +52,9 @@ class TrainerSupervisor:
         if config.api_key:
             self.env["TLT_SERVE_API_KEY"] = config.api_key
         self.delay = config.training.restart_delay_s
+        self.max_running = config.training.max_running
         self.state = state
+        self._lock = threading.Lock()  # proc start / signal / stop
         self.proc: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="trainer-supervisor", daemon=True)
@@ -62,10 +69,11 @@ class TrainerSupervisor:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            self.proc = subprocess.Popen(self.cmd, env=self.env)
-            self.state.pid = self.proc.pid
+            with self._lock:
+                self.proc = subprocess.Popen(self.cmd, env=self.env)
+                self.state.pid, self.state.suspended = self.proc.pid, False
             code = self.proc.wait()
-            self.state.pid = None
+            self.state.pid, self.state.suspended = None, False
             if self._stopping.is_set():
                 return
             self.state.restarts += 1
@@ -73,9 +81,26 @@ class TrainerSupervisor:
                         code, self.state.restarts, self.delay)
             self._stopping.wait(self.delay)
 
+    def on_load(self, in_flight: int) -> None:
+        """Suspend the trainer above ``max_running`` requests in flight, resume below."""
+        busy = in_flight > self.max_running
+        with self._lock:
+            proc = self.proc
+            if proc is None or proc.poll() is not None or busy == self.state.suspended:
+                return
+            try:
+                os.kill(proc.pid, signal.SIGSTOP if busy else signal.SIGCONT)
+            except ProcessLookupError:
+                return
+            self.state.suspended = busy
+
     def stop(self) -> None:
         self._stopping.set()
-        proc = self.proc
+        with self._lock:
+            proc = self.proc
+            if proc is not None and proc.poll() is None and self.state.suspended:
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                self.state.suspended = False
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
