@@ -12,6 +12,7 @@ On shutdown it gets SIGTERM, checkpoints and exits.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -27,6 +28,7 @@ from tlt_serve.server.state import TrainingState
 
 log = logging.getLogger("tlt_serve.supervisor")
 STOP_WAIT_S = 30.0  # SIGTERM → checkpoint → exit; then SIGKILL
+PR_SET_PDEATHSIG = 1  # prctl option: signal sent to this process when its parent dies
 
 
 def trainer_state_dir(config: ServerConfig) -> Path:
@@ -43,6 +45,16 @@ def trainer_command(config: ServerConfig, url: str) -> list[str]:
     if config.engine.spec.drafter:
         cmd += ["--init", config.engine.spec.drafter]
     return cmd
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGKILL when the server dies, even uncleanly (a trainer
+    left behind, possibly SIGSTOPped, would otherwise linger). Linux only; a no-op elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class TrainerSupervisor:
@@ -70,7 +82,7 @@ class TrainerSupervisor:
     def _loop(self) -> None:
         while not self._stopping.is_set():
             with self._lock:
-                self.proc = subprocess.Popen(self.cmd, env=self.env)
+                self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=_die_with_parent)
                 self.state.pid, self.state.suspended = self.proc.pid, False
             code = self.proc.wait()
             self.state.pid, self.state.suspended = None, False
