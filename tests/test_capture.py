@@ -132,7 +132,7 @@ def test_buffer_evicts_oldest_and_cursors_page() -> None:
         buf.observe([(req, f)], "0")
         buf.finish([req], None)
     st = buf.stats()
-    assert (st.samples, st.captured, st.evicted, st.last_seq) == (10, 25, 15, 25)
+    assert (st.samples, st.captured, st.evicted, buf.last_seq) == (10, 25, 15, 25)
     assert st.bytes <= st.max_bytes and st.tokens == 100
     got = buf.take(0, 1 << 30)
     assert [s.seq for s in got] == list(range(16, 26))

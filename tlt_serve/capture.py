@@ -67,10 +67,9 @@ class CaptureStats:
     tokens: int
     bytes: int
     max_bytes: int
-    captured: int  # samples ever added
+    captured: int  # samples ever added (= the newest sample's seq)
     evicted: int  # dropped to stay under max_bytes
     skipped: int  # sequences not drawn (sample_rate), aborted, or mixed-version
-    last_seq: int
 
 
 class CaptureBuffer:
@@ -88,6 +87,11 @@ class CaptureBuffer:
     @property
     def enabled(self) -> bool:
         return self.config.enabled
+
+    @property
+    def last_seq(self) -> int:
+        """The newest sample's number (0 before any)."""
+        return self._seq
 
     def observe(
         self, committed: Iterable[tuple[Request, torch.Tensor]], weight_version: str
@@ -146,7 +150,7 @@ class CaptureBuffer:
             self._tokens -= int(old.tokens.shape[0])
             self._evicted += 1
 
-    def take(self, after: int, max_bytes: int, max_samples: int = 1 << 30) -> list[TrainingSample]:
+    def take(self, after: int, max_bytes: int) -> list[TrainingSample]:
         """Samples with ``seq > after`` in order, up to ``max_bytes`` (at least one when any
         is there). Nothing is removed: the buffer is a window, consumers keep cursors."""
         out: list[TrainingSample] = []
@@ -154,7 +158,7 @@ class CaptureBuffer:
         for s in self._buffer:
             if s.seq <= after:
                 continue
-            if out and (size + s.nbytes > max_bytes or len(out) >= max_samples):
+            if out and size + s.nbytes > max_bytes:
                 break
             out.append(s)
             size += s.nbytes
@@ -170,7 +174,6 @@ class CaptureBuffer:
             captured=self._seq,
             evicted=self._evicted,
             skipped=self._skipped,
-            last_seq=self._seq,
         )
 
 

@@ -167,6 +167,10 @@ class TrainingConfig:
     state_dir: str | None = None  # its checkpoints (None: under the server's cache dir)
     restart_delay_s: float = 2.0  # wait before restarting a trainer that exited
 
+    def busy(self, in_flight: int) -> bool:
+        """No spare capacity for training: more than ``max_running`` requests in flight."""
+        return in_flight > self.max_running
+
     def validate(self) -> None:
         if self.max_running < 0:
             raise ConfigError(f"train_max_running: must be >= 0, got {self.max_running}")

@@ -168,6 +168,7 @@ def run_online(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     with contextlib.suppress(KeyboardInterrupt):
         trainer.run()
     trainer.checkpoint()
+    link.close()
     return 0
 
 

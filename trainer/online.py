@@ -20,11 +20,13 @@ version); only a candidate better by ``min_gain`` is published (``published/v<N>
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from trainer.promote import Evaluation
 from trainer.state import load_latest, save_checkpoint
 from trainer.store import SampleStore, StoreConfig
 from trainer.target import head_stub, update_stub
-from trainer.train import TrainConfig, feature_std, step_loss
+from trainer.train import TrainConfig, feature_noise, feature_std, make_optimizer, step_loss
 
 log = logging.getLogger("trainer.online")
 
@@ -98,7 +100,7 @@ class OnlineTrainer:
         self.last_pull = float("-inf")
         self.last_report = float("-inf")
         self.state = "starting"
-        self.losses: list[float] = []
+        self.losses: deque[float] = deque(maxlen=50)  # recent micro-step losses
         self.verdict: dict[str, Any] | None = None
         self.evaluation: Evaluation | None = None
         self.noise_std: float | None = None
@@ -118,7 +120,7 @@ class OnlineTrainer:
         resumed = load_latest(self.state_dir)
         if resumed is not None:
             path, payload = resumed
-            spec = DrafterSpec(**{**payload["spec"], "feature_layers": tuple(layers)})
+            spec = DrafterSpec(**{**payload["spec"], "feature_layers": layers})
             drafter = new_drafter(self.stub, spec, self.cfg.seed)
             drafter.load_state_dict(payload["drafter"])
             self.step, self.cursor = int(payload["step"]), int(payload["cursor"])
@@ -146,16 +148,7 @@ class OnlineTrainer:
         return served.eval().requires_grad_(False)
 
     def _optimizer(self) -> torch.optim.Optimizer:
-        lc = self.cfg.loss
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(
-            [
-                {"params": [p for p in params if p.dim() >= 2], "weight_decay": lc.weight_decay},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-            ],
-            lr=self.cfg.lr,
-            betas=(lc.beta1, lc.beta2),
-        )
+        opt = make_optimizer(self.drafter, self.cfg.loss, self.cfg.lr)
         if self._resume_opt is not None:
             opt.load_state_dict(self._resume_opt)
             self._resume_opt = None
@@ -235,14 +228,12 @@ class OnlineTrainer:
         if self.noise_std is None:
             self.noise_std = feature_std([s.sample for s in self.store.train])
         lc = self.cfg.loss
-        noise = (torch.rand(batch.features.shape, generator=self.gen) * 2 - 1) * (
-            lc.noise * self.noise_std
-        )
+        noise = feature_noise(batch.features.shape, lc, self.noise_std, self.gen)
         loss, _, _ = step_loss(self.drafter, batch, lc, noise)
         if loss.requires_grad:
             (loss / self.cfg.accum).backward()  # type: ignore[no-untyped-call]
         self.micro += 1
-        self.losses = (self.losses + [float(loss.detach())])[-50:]
+        self.losses.append(float(loss.detach()))
         if self.micro < self.cfg.accum:
             return False
         params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -311,16 +302,11 @@ class OnlineTrainer:
 
     # ---- persistence and reports -------------------------------------------------------
     def checkpoint(self) -> Path:
-        spec = self.drafter.spec
         return save_checkpoint(
             self.state_dir,
             {
                 "drafter": self.drafter.state_dict(),
-                "spec": {
-                    "draft_vocab_size": spec.draft_vocab_size,
-                    "version": spec.version,
-                    "target_weight_version": spec.target_weight_version,
-                },
+                "spec": dataclasses.asdict(self.drafter.spec),
                 "optimizer": self.opt.state_dict(),
                 "step": self.step,
                 "cursor": self.cursor,
@@ -334,7 +320,6 @@ class OnlineTrainer:
             "pid": os.getpid(),
             "step": self.step,
             "published_version": self.published_version,
-            "samples_seen": self.cursor,
             "cursor": self.cursor,
             "loss": round(sum(self.losses) / len(self.losses), 4) if self.losses else None,
             "last_candidate": self.verdict,

@@ -11,6 +11,7 @@ tokens (oldest evicted first) and a proportional number of held-out ones.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import deque
 from collections.abc import Sequence
@@ -45,7 +46,6 @@ class StoreConfig:
 class Stored:
     sample: Sample
     weight_version: str
-    seq: int
 
 
 class SampleStore:
@@ -55,7 +55,7 @@ class SampleStore:
         self.heldout: deque[Stored] = deque()
         self.versions: list[str] = []  # target versions in order of first appearance
         self.train_tokens = 0
-        self.heldout_tokens = 0
+        self._cum_weights: list[float] | None = None  # of ``train``, until it changes
 
     @property
     def newest_version(self) -> str | None:
@@ -69,16 +69,14 @@ class SampleStore:
                 continue
             if s.weight_version not in self.versions:
                 self.versions.append(s.weight_version)
-            item = Stored(Sample(s.tokens, s.features, s.prompt_len), s.weight_version, s.seq)
-            n = int(s.tokens.shape[0])
+            item = Stored(Sample(s.tokens, s.features, s.prompt_len), s.weight_version)
             if s.seq % self.config.heldout_every == 0:
                 self.heldout.append(item)
-                self.heldout_tokens += n
             else:
                 self.train.append(item)
-                self.train_tokens += n
             kept += 1
-        self._evict()
+        if kept:
+            self._evict()
         return kept
 
     def _evict(self) -> None:
@@ -86,9 +84,8 @@ class SampleStore:
         self.versions = [v for v in self.versions if v in live]
         cap = self.config.max_tokens
         self.train, self.train_tokens = _trim(self.train, live, cap)
-        self.heldout, self.heldout_tokens = _trim(
-            self.heldout, live, max(cap // self.config.heldout_every, 1)
-        )
+        self.heldout, _ = _trim(self.heldout, live, max(cap // self.config.heldout_every, 1))
+        self._cum_weights = None
 
     def age(self, version: str) -> int:
         return len(self.versions) - 1 - self.versions.index(version)
@@ -97,19 +94,26 @@ class SampleStore:
         """``rows`` rows of windows drawn by version weight; None when nothing to train on."""
         if not self.train:
             return None
-        items = list(self.train)
-        weights = [self.config.version_decay ** self.age(s.weight_version) for s in items]
-        if not any(weights):
-            weights = [1.0] * len(items)
-        samples = [s.sample for s in items]
+        samples = [s.sample for s in self.train]
+        cum = self._weights()
         budget, segs = rows * row_len, []
         while budget > 0:
-            i = rng.choices(range(len(items)), weights)[0]
+            i = rng.choices(range(len(samples)), cum_weights=cum)[0]
             seg = _window(samples[i], i, row_len, rng)
             segs.append(seg)
             budget -= seg.end - seg.start
         packed = pack_rows(segs, row_len, rng)[:rows]
         return make_batch(packed, samples)
+
+    def _weights(self) -> list[float]:
+        """Cumulative sampling weights of ``train``, recomputed only after it changed."""
+        if self._cum_weights is None:
+            ages = {v: self.age(v) for v in self.versions}
+            weights = [self.config.version_decay ** ages[s.weight_version] for s in self.train]
+            if not any(weights):
+                weights = [1.0] * len(weights)
+            self._cum_weights = list(itertools.accumulate(weights))
+        return self._cum_weights
 
     def heldout_samples(self) -> list[Sample]:
         """Held-out samples of the newest target version (all held-out ones if none)."""

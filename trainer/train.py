@@ -128,6 +128,26 @@ def step_loss(
     return total / n, f_sum / n, ce_sum / n
 
 
+def make_optimizer(drafter: DrafterModel, cfg: TrainConfig, lr: float) -> torch.optim.AdamW:
+    """AdamW over the drafter's trainable weights; no weight decay on norms and biases."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(cfg.beta1, cfg.beta2),
+    )
+
+
+def feature_noise(
+    shape: torch.Size, cfg: TrainConfig, std: float, gen: torch.Generator
+) -> torch.Tensor:
+    """Uniform noise of half-width ``cfg.noise * std`` for the input features (EAGLE-1)."""
+    return (torch.rand(shape, generator=gen) * 2 - 1) * (cfg.noise * std)
+
+
 def train(
     drafter: DrafterModel,
     train_samples: Sequence[Sample],
@@ -139,16 +159,7 @@ def train(
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-    )
+    opt = make_optimizer(drafter, cfg, cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     std = feature_std(train_samples)
     rows_per_batch = max(cfg.batch_tokens // cfg.row_len, 1)
@@ -162,7 +173,7 @@ def train(
             queue = batches(train_samples, cfg.row_len, rows_per_batch, rng)
             hist.epochs += 1
         b = queue.pop(0)
-        noise = (torch.rand(b.features.shape, generator=gen) * 2 - 1) * (cfg.noise * std)
+        noise = feature_noise(b.features.shape, cfg, std, gen)
         loss, f_loss, ce = step_loss(drafter, b, cfg, noise)
         opt.zero_grad(set_to_none=True)
         if loss.requires_grad:  # False only for a batch without response positions

@@ -182,7 +182,9 @@ class Engine:
             self.spec.observe(committed)
             self.capture.observe(committed, self.weight_version)
         outputs = self.scheduler.postprocess(batch, emitted, self.weight_version)
-        self.capture.finish([r for r in batch.samplers if r.finished], self.spec.drafter_version)
+        if self.capture.enabled:
+            done = [r for r in batch.samplers if r.finished]
+            self.capture.finish(done, self.spec.drafter_version)
         seconds = time.perf_counter() - t0
         self.spec.end_step(batch, outputs, seconds)
         self.stats.on_step(batch, emitted, outputs, seconds)

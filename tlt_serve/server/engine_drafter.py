@@ -36,10 +36,11 @@ class DrafterControls:
         }
 
     def from_disk(self, path: str, version: int | None = None) -> dict[str, Any]:
+        """Never raises for a bad checkpoint: the reply says whether it was applied and which
+        drafter serves now (the route answers 400 when not)."""
         result = self.engine.update_drafter(path, version)
-        if not result.ok:
-            raise ControlError(result.message)
-        return {"message": result.message, "drafter_version": result.drafter_version}
+        return {"success": result.ok, "message": result.message,
+                "drafter_version": result.drafter_version}
 
     def info(self) -> dict[str, Any]:
         spec, stats = self.engine.spec, self.engine.stats
@@ -62,15 +63,13 @@ class DrafterControls:
             raise ControlError("capture is off (start the server with --capture)")
         if after < 0 or max_bytes < 1:
             raise ControlError("after: must be >= 0 and max_bytes >= 1")
-        samples = self.engine.capture.take(after, min(max_bytes, MAX_TAKE_BYTES))
-        stats = self.engine.capture.stats()
-        first = samples[0].seq if samples else None
+        capture = self.engine.capture
+        samples = capture.take(after, min(max_bytes, MAX_TAKE_BYTES))
         return {
             "data": encode_samples(samples),
             "count": len(samples),
-            "first_seq": first,
             "last_seq": samples[-1].seq if samples else after,
-            "newest_seq": stats.last_seq,
+            "newest_seq": capture.last_seq,
         }
 
     def target(self) -> dict[str, Any]:

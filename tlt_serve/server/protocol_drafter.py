@@ -25,8 +25,7 @@ class TrainerReport(Struct, forbid_unknown_fields=True):
     pid: int | None = None  # the trainer's process
     step: int = 0
     published_version: int | None = None
-    samples_seen: int = 0
-    cursor: int = 0
+    cursor: int = 0  # the last captured sample it pulled
     loss: float | None = None
     last_candidate: dict[str, Any] | None = None  # the promotion guard's last verdict
 

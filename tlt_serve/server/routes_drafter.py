@@ -19,7 +19,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from tlt_serve.sampling_params import ParamError
-from tlt_serve.server.bridge import ControlFailed
 from tlt_serve.server.errors import decode_body
 from tlt_serve.server.protocol_drafter import (
     GateOut,
@@ -43,17 +42,9 @@ def drafter_routes() -> APIRouter:
             raise ParamError("path", "must be a drafter checkpoint directory")
         if req.version is not None and req.version < 0:
             raise ParamError("version", f"must be >= 0, got {req.version}")
-        try:
-            payload = await st.client.call(
-                "update_drafter_from_disk", path=req.path, version=req.version
-            )
-        except ControlFailed as err:
-            info = await st.client.call("drafter_info")
-            out = UpdateDrafterOut(False, str(err), info["drafter_version"])
-            return json_response(out, status=400)
-        return json_response(
-            UpdateDrafterOut(True, payload["message"], payload["drafter_version"])
-        )
+        r = await st.client.call("update_drafter_from_disk", path=req.path, version=req.version)
+        out = UpdateDrafterOut(r["success"], r["message"], r["drafter_version"])
+        return json_response(out, status=200 if out.success else 400)
 
     @router.get("/get_drafter_info")
     async def drafter_info(request: Request) -> Response:
@@ -123,7 +114,7 @@ def gate(st: ServerState) -> GateOut:
     busy = st.client.in_flight()
     if st.training.paused:
         ok, reason = False, "training paused"
-    elif busy > limit:
+    elif st.config.training.busy(busy):
         ok, reason = False, f"{busy} requests in flight > {limit}"
     else:
         ok, reason = True, "idle enough"

@@ -64,7 +64,7 @@ class TrainerSupervisor:
         if config.api_key:
             self.env["TLT_SERVE_API_KEY"] = config.api_key
         self.delay = config.training.restart_delay_s
-        self.max_running = config.training.max_running
+        self.training = config.training
         self.state = state
         self._lock = threading.Lock()  # proc start / signal / stop
         self.proc: subprocess.Popen[bytes] | None = None
@@ -74,10 +74,6 @@ class TrainerSupervisor:
     def start(self) -> None:
         log.info("starting the drafter trainer: %s", " ".join(self.cmd))
         self._thread.start()
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
@@ -95,7 +91,7 @@ class TrainerSupervisor:
 
     def on_load(self, in_flight: int) -> None:
         """Suspend the trainer above ``max_running`` requests in flight, resume below."""
-        busy = in_flight > self.max_running
+        busy = self.training.busy(in_flight)
         with self._lock:
             proc = self.proc
             if proc is None or proc.poll() is not None or busy == self.state.suspended:
