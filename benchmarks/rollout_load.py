@@ -1,0 +1,289 @@
+"""Load benchmark with long-tailed output lengths: rollout (closed batch), Poisson and
+concurrency-sweep modes, several server configurations side by side in one run.
+
+Modes:
+  rollout  all prompts x n at once, as an RL step sends them: makespan, tail time (from 90%
+           of sequences done to the last), throughput and running sequences over time;
+  poisson  open loop, Poisson arrivals at ``--rate`` req/s: TTFT, TPOT, end-to-end latency
+           (p50 / p90 / p99) and throughput;
+  sweep    closed loop at each ``--concurrency`` (each client sends its next request when the
+           previous one ends): throughput and latency per concurrency.
+Workloads: ``lognormal`` (chat prompts, output lengths drawn from a clipped log-normal, EOS
+ignored) or ``task`` (arithmetic problems sampled at T=1, natural lengths, as an RL rollout).
+Configurations (``--configs``): off | ngram | auto | tlt (auto + --train-drafter), each a
+fresh ``tlt-serve serve``; ``--url`` adds an external server (e.g. vLLM-CPU) measured by the
+same code over ``--dialect openai``.
+
+    python -m benchmarks.rollout_load --mode rollout --configs off,auto \\
+        --drafter ~/.cache/tlt-serve/drafters/smollm2-135m --num 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from benchmarks.load_client import Timed, stream_generate, stream_openai
+from benchmarks.prompts import chat_messages
+from benchmarks.serverproc import running_server
+from clients.tasks import make_problems
+from tlt_serve.models.provision import resolve_model_path
+from tlt_serve.models.tokenizer import load_tokenizer
+
+CONFIG_FLAGS = {
+    "off": ["--speculative", "off"],
+    "ngram": ["--speculative", "ngram"],
+    "auto": ["--speculative", "auto"],
+    "tlt": ["--speculative", "auto", "--train-drafter"],
+}
+
+
+def workload(a: argparse.Namespace) -> list[tuple[list[int], dict]]:
+    """(prompt ids, sampling params) per request; lengths are long-tailed either way."""
+    tok = load_tokenizer(resolve_model_path(a.model))
+    rng = random.Random(a.seed)
+    reqs = []
+    if a.workload == "task":
+        for i, p in enumerate(make_problems(a.num, a.seed)):
+            ids = tok.apply_chat_template([{"role": "user", "content": p.prompt}])
+            for j in range(a.n):
+                reqs.append((ids, {"max_new_tokens": a.max_len, "temperature": 1.0,
+                                   "sampling_seed": a.seed * 100_003 + i * a.n + j}))
+        return reqs
+    mu = math.log(a.mean_len) - a.sigma**2 / 2  # so the mean before clipping is mean_len
+    for i in range(a.num):
+        ids = tok.apply_chat_template(chat_messages(i))
+        for _ in range(a.n):
+            n = int(min(max(rng.lognormvariate(mu, a.sigma), 8), a.max_len))
+            reqs.append((ids, {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}))
+    return reqs
+
+
+async def send(http: httpx.AsyncClient, a: argparse.Namespace, ids: list[int], params: dict,
+               t: Timed) -> Timed:
+    try:
+        if a.dialect == "openai":
+            await stream_openai(http, a.served_model, ids, params, t)
+        else:
+            await stream_generate(http, ids, params, t)
+    except httpx.HTTPError as err:
+        t.error = f"{type(err).__name__}: {err}"
+    return t
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def latency_stats(done: list[Timed], t0: float) -> dict[str, Any]:
+    ok = [t for t in done if t.error is None and t.done is not None]
+    end = max((t.done for t in ok if t.done is not None), default=t0)
+    tokens = sum(t.tokens for t in ok)
+    out: dict[str, Any] = {"requests": len(done), "errors": len(done) - len(ok),
+                           "tokens": tokens, "seconds": end - t0,
+                           "tok_s": tokens / max(end - t0, 1e-9)}
+    for name, xs in (("ttft", [t.ttft for t in ok]), ("tpot", [t.tpot for t in ok]),
+                     ("e2e", [t.done - t.sent for t in ok if t.done is not None])):
+        vals = [x for x in xs if x is not None]
+        out[name] = {f"p{int(q * 100)}": pct(vals, q) for q in (0.5, 0.9, 0.99)}
+        out[name]["mean"] = statistics.fmean(vals) if vals else None
+    verify = sum(t.verify_ct for t in ok)
+    if verify:
+        out["accept_length"] = sum((t.accept_length or 0) * t.verify_ct for t in ok) / verify
+    return out
+
+
+def timeline(done: list[Timed], t0: float, bin_s: float) -> dict[str, list[float]]:
+    """Tokens/s and running sequences per ``bin_s`` bin since ``t0``."""
+    end = max((t.done or t0) for t in done)
+    bins = max(int(math.ceil((end - t0) / bin_s)), 1)
+    tok = [0.0] * bins
+    running = [0.0] * bins
+    for t in done:
+        for when, n in t.token_times:
+            tok[min(int((when - t0) / bin_s), bins - 1)] += n / bin_s
+        last = int(((t.done or end) - t0) / bin_s)
+        for b in range(min(last + 1, bins)):
+            running[b] += 1
+    return {"t": [b * bin_s for b in range(bins)], "tok_s": tok, "running": running}
+
+
+async def rollout_mode(url: str, a: argparse.Namespace, reqs: list, label: str) -> dict:
+    limits = httpx.Limits(max_connections=len(reqs) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=7200, limits=limits) as http:
+        await send(http, a, reqs[0][0], {"max_new_tokens": 4}, Timed(time.monotonic()))
+        bar = tqdm(total=len(reqs), desc=f"{label} rollout")
+        t0 = time.monotonic()
+
+        async def one(ids: list[int], params: dict) -> Timed:
+            t = await send(http, a, ids, params, Timed(time.monotonic()))
+            bar.update(1)
+            return t
+
+        done = list(await asyncio.gather(*(one(i, p) for i, p in reqs)))
+        bar.close()
+    stats = latency_stats(done, t0)
+    ends = sorted(t.done - t0 for t in done if t.done is not None)
+    stats["makespan_s"] = ends[-1] if ends else None
+    stats["tail_s"] = ends[-1] - ends[int(0.9 * (len(ends) - 1))] if ends else None
+    stats["timeline"] = timeline(done, t0, a.bin_s)
+    stats["lengths"] = sorted(t.tokens for t in done)
+    return stats
+
+
+async def poisson_mode(url: str, a: argparse.Namespace, reqs: list, label: str) -> dict:
+    rng = random.Random(a.seed + 1)
+    limits = httpx.Limits(max_connections=len(reqs) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=7200, limits=limits) as http:
+        await send(http, a, reqs[0][0], {"max_new_tokens": 4}, Timed(time.monotonic()))
+        bar = tqdm(total=len(reqs), desc=f"{label} poisson {a.rate}/s")
+        t0 = time.monotonic()
+        tasks = []
+        for ids, params in reqs:
+            t = Timed(time.monotonic())
+            tasks.append(asyncio.create_task(send(http, a, ids, params, t)))
+            tasks[-1].add_done_callback(lambda _: bar.update(1))
+            await asyncio.sleep(rng.expovariate(a.rate))
+        done = list(await asyncio.gather(*tasks))
+        bar.close()
+    return {"rate": a.rate, **latency_stats(done, t0)}
+
+
+async def closed_loop(url: str, a: argparse.Namespace, reqs: list, c: int, label: str) -> dict:
+    """``c`` clients, each sending its next request when the previous one ends."""
+    queue = list(reqs)
+    done: list[Timed] = []
+    limits = httpx.Limits(max_connections=c + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=7200, limits=limits) as http:
+        bar = tqdm(total=len(reqs), desc=f"{label} concurrency {c}")
+        t0 = time.monotonic()
+
+        async def worker() -> None:
+            while queue:
+                ids, params = queue.pop(0)
+                done.append(await send(http, a, ids, params, Timed(time.monotonic())))
+                bar.update(1)
+
+        await asyncio.gather(*(worker() for _ in range(c)))
+        bar.close()
+    return latency_stats(done, t0)
+
+
+async def sweep_mode(url: str, a: argparse.Namespace, reqs: list, label: str) -> dict:
+    return {str(c): await closed_loop(url, a, reqs, c, label) for c in a.concurrency}
+
+
+MODES = {"rollout": rollout_mode, "poisson": poisson_mode, "sweep": sweep_mode}
+
+
+def server_args(a: argparse.Namespace, config: str, rows: int) -> list[str]:
+    flags = list(CONFIG_FLAGS[config])
+    if config in ("auto", "tlt") and a.drafter:
+        flags += ["--drafter", a.drafter]
+    return ["--model", a.model, "--dtype", a.dtype, "--max-num-seqs", str(rows),
+            "--max-model-len", str(a.max_model_len), *flags]
+
+
+def plot(results: dict[str, dict], mode: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if mode == "rollout":
+        fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
+        for name, r in results.items():
+            tl = r["timeline"]
+            ax.plot(tl["t"], tl["tok_s"], label=name)
+            ax2.plot(tl["t"], tl["running"], label=name)
+        ax.set(xlabel="seconds since the batch was sent", ylabel="tokens/s",
+               title="throughput over time (the tail)")
+        ax2.set(xlabel="seconds", ylabel="sequences still running", title="running sequences")
+        base = next(iter(results.values()))["makespan_s"]
+        names = list(results)
+        ax3.bar(names, [base / results[n]["makespan_s"] for n in names])
+        ax3.axhline(1.0, color="grey", lw=0.6)
+        ax3.set(ylabel=f"makespan speedup vs {names[0]}", title="rollout makespan")
+        ax.legend()
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for name, r in results.items():
+            rows = r if mode == "sweep" else {"rate": r}
+            xs = list(rows)
+            ax.plot(xs, [rows[x]["tok_s"] for x in xs], "o-", label=name)
+        ax.set(xlabel="concurrency" if mode == "sweep" else "", ylabel="tokens/s",
+               title=f"{mode}: throughput")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=list(MODES), default="rollout")
+    ap.add_argument("--workload", choices=["lognormal", "task"], default="lognormal")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--configs", default="off,auto", help=f"from {sorted(CONFIG_FLAGS)}")
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--url", default=None, help="also measure this running server")
+    ap.add_argument("--url-name", default="external")
+    ap.add_argument("--dialect", choices=["generate", "openai"], default="generate")
+    ap.add_argument("--served-model", default="default", help="model name (openai dialect)")
+    ap.add_argument("--num", type=int, default=64, help="prompts")
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt")
+    ap.add_argument("--mean-len", type=float, default=160)
+    ap.add_argument("--sigma", type=float, default=0.9)
+    ap.add_argument("--max-len", type=int, default=768)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--rate", type=float, default=1.0)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[1, 4, 16, 64])
+    ap.add_argument("--bin-s", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/rollout_load.json")
+    a = ap.parse_args()
+    reqs = workload(a)
+    rows = max(len(reqs), max(a.concurrency)) if a.mode != "rollout" else len(reqs)
+    results: dict[str, dict] = {}
+    for config in [c for c in a.configs.split(",") if c]:
+        with running_server(server_args(a, config, min(rows, 256))) as url:
+            results[config] = asyncio.run(MODES[a.mode](url, a, reqs, config))
+    if a.url:
+        results[a.url_name] = asyncio.run(MODES[a.mode](a.url, a, reqs, a.url_name))
+    summary = {}
+    for name, r in results.items():
+        if a.mode == "rollout":
+            summary[name] = {k: r.get(k) for k in ("makespan_s", "tail_s", "tok_s", "tokens",
+                                                    "errors", "accept_length")}
+            print(f"{name}: makespan {r['makespan_s']:.1f} s, tail {r['tail_s']:.1f} s, "
+                  f"{r['tok_s']:.1f} tok/s, accept {r.get('accept_length')}")
+    if a.mode == "rollout" and len(results) > 1:
+        base = next(iter(results.values()))["makespan_s"]
+        summary["speedup_vs_first"] = {n: round(base / r["makespan_s"], 3)
+                                       for n, r in results.items()}
+        print("makespan speedup:", summary["speedup_vs_first"])
+    out = {"benchmark": "rollout_load", "args": {k: str(v) for k, v in vars(a).items()},
+           "summary": summary, "results": results}
+    path = Path(a.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    plot(results, a.mode, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
