@@ -106,3 +106,18 @@ def test_async_client_matches_sync(client: Client, served: Served) -> None:
     groups, parts = asyncio.run(go())
     assert [g[0].token_ids for g in groups] == [g[0].token_ids for g in sync]
     assert parts[-1].token_ids == sync[1][0].token_ids
+
+
+def test_distributed_push(client: Client, served: Served) -> None:
+    from benchmarks.serverproc import free_port
+    from clients.dist import DistributedPusher
+
+    tensors = load_file(str(Path(served.model_dir) / "model.safetensors"))
+    before = client.generate([PROMPTS[0]], max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    pusher = DistributedPusher(client, "127.0.0.1", free_port(), group_name="client-test")
+    out = pusher.push(sorted(tensors.items()), weight_version="dist-7")
+    assert out["success"] and client.weight_version() == "dist-7"
+    after = client.generate([PROMPTS[0]], max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    assert after[0][0].token_ids == before[0][0].token_ids
+    assert after[0][0].weight_version == "dist-7"
+    pusher.close()
