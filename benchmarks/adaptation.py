@@ -1,0 +1,296 @@
+"""Adaptation benchmark: does the online drafter keep up with a target that keeps changing?
+
+Target versions v0..v{K-1} really drift (``benchmarks/drift.py``: the default model
+fine-tuned stage after stage on the arithmetic task, each stage in a new answer style).
+One real server (``--train-drafter``, speculating with a drafter at every batch size) serves
+them in order, as an RL run would: for each version ``--phases`` rollout phases (``--prompts``
+fresh task prompts, greedy, all at once); between phases an idle gap in which the co-located
+trainer trains (until it has done ``--gap-steps`` optimizer steps, as an RL training step
+would give it); a new version arrives by ``/update_weights_from_disk``.
+
+Accept length per phase, three drafters, on the phase's own served sequences:
+  (a) static: the warm-up drafter, never updated;
+  (b) adaptive: what the server served (online figure from the responses, plus the offline
+      measure of the published checkpoint that served the phase);
+  (c) reference: a drafter trained offline to convergence on that version
+      (``adaptation_reference.py``).
+
+    python -m benchmarks.adaptation --drafter ~/.cache/tlt-serve/drafters/smollm2-135m
+
+Stages cache their results under ``--work``; ``--stage report`` redraws from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from benchmarks.adaptation_reference import (
+    accept_on,
+    as_samples,
+    reference_drafter,
+    version_stub,
+)
+from benchmarks.drift import DriftConfig, version_dirs
+from benchmarks.serverproc import running_server
+from clients.tasks import make_problems, reward
+from tlt_serve.capture import decode_samples, encode_samples
+from tlt_serve.models.provision import default_cache_dir
+from tlt_serve.models.tokenizer import load_tokenizer
+from trainer.train import TrainConfig
+
+DEPTH = 4
+
+
+@dataclass(frozen=True)
+class Args:
+    drafter: Path
+    work: Path
+    versions: int
+    phases: int
+    prompts: int
+    max_new: int
+    gap_steps: int
+    gap_timeout: float
+    ref_prompts: int
+    ref_steps: int
+    spec_max_batch: int
+    out: Path
+
+
+def phase_prompts(tok: Any, version: int, phase: int, n: int) -> tuple[list, list[list[int]]]:
+    problems = make_problems(n, seed=100_000 + 100 * version + phase)
+    ids = [tok.apply_chat_template([{"role": "user", "content": p.prompt}]) for p in problems]
+    return problems, ids
+
+
+# ---- (c): offline references -------------------------------------------------------------
+def references(a: Args, dirs: list[Path]) -> list[dict]:
+    tok = load_tokenizer(dirs[0])
+    out = []
+    for k, d in enumerate(dirs):
+        problems = make_problems(a.ref_prompts, seed=200_000 + k)
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p.prompt}])
+                   for p in problems]
+        cfg = TrainConfig(steps=a.ref_steps, batch_tokens=1024, row_len=512, eval_every=50)
+        print(f"reference drafter for v{k}")
+        out.append(reference_drafter(d, a.drafter, a.work / "ref" / f"v{k}", prompts,
+                                     a.max_new, cfg, DEPTH, seed=k))
+    return out
+
+
+# ---- (b): the adaptive server ------------------------------------------------------------
+async def rollout(http: httpx.AsyncClient, prompts: list[list[int]], max_new: int) -> list[dict]:
+    params = {"max_new_tokens": max_new, "temperature": 0}
+
+    async def one(ids: list[int]) -> dict:
+        resp = await http.post("/generate", json={"input_ids": ids, "sampling_params": params})
+        resp.raise_for_status()
+        return dict(resp.json())
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def pull(http: httpx.AsyncClient, after: int) -> tuple[bytes, int, int]:
+    """Every sample captured after ``after``: (blob, count, new cursor)."""
+    samples = []
+    while True:
+        resp = await http.get("/drafter/samples", params={"after": after, "max_bytes": 64 << 20})
+        resp.raise_for_status()
+        page = decode_samples(resp.content)
+        if not page:
+            return encode_samples(samples), len(samples), after
+        samples += page
+        after = page[-1].seq
+
+
+async def trainer_step(http: httpx.AsyncClient) -> tuple[int, int | None, str]:
+    info = (await http.get("/get_drafter_info")).json()
+    rep = info["training"]["trainer"] or {}
+    return int(rep.get("step", 0)), info["drafter_version"], str(rep.get("state", "none"))
+
+
+async def idle_gap(http: httpx.AsyncClient, steps: int, timeout: float) -> dict:
+    """Stay idle until the trainer has done ``steps`` more optimizer steps (or timeout)."""
+    t0 = time.monotonic()
+    start, _, _ = await trainer_step(http)
+    step, version, state = start, None, ""
+    while time.monotonic() - t0 < timeout:
+        step, version, state = await trainer_step(http)
+        if step >= start + steps and state != "evaluating":
+            break
+        await asyncio.sleep(1.0)
+    return {"seconds": round(time.monotonic() - t0, 1), "trainer_steps": step - start,
+            "drafter_version": version, "trainer_state": state}
+
+
+async def adaptive(a: Args, dirs: list[Path], url: str) -> list[dict]:
+    tok = load_tokenizer(dirs[0])
+    phases: list[dict] = []
+    cursor = 0
+    bar = tqdm(total=len(dirs) * a.phases, desc="rollout phases")
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+        for k, d in enumerate(dirs):
+            if k:
+                body = {"model_path": str(d), "weight_version": f"v{k}"}
+                (await http.post("/update_weights_from_disk", json=body)).raise_for_status()
+            for i in range(a.phases):
+                problems, prompts = phase_prompts(tok, k, i, a.prompts)
+                t0 = time.monotonic()
+                outs = await rollout(http, prompts, a.max_new)
+                seconds = time.monotonic() - t0
+                blob, count, cursor = await pull(http, cursor)
+                name = f"v{k}-p{i}.safetensors"
+                (a.work / "phases").mkdir(parents=True, exist_ok=True)
+                (a.work / "phases" / name).write_bytes(blob)
+                metas = [o["meta_info"] for o in outs]
+                verify = sum(m.get("spec_verify_ct", 0) for m in metas)
+                accepted = sum(m.get("spec_accept_length", 0) * m.get("spec_verify_ct", 0)
+                               for m in metas)
+                versions = sorted({v for m in metas for v in m.get("drafter_versions", [])})
+                phases.append({
+                    "version": k, "phase": i, "samples": name, "captured": count,
+                    "seconds": round(seconds, 1),
+                    "tokens": sum(m["completion_tokens"] for m in metas),
+                    "reward": sum(reward(p, o["text"]) for p, o in zip(problems, outs,
+                                                                       strict=True)) / len(outs),
+                    "online_accept": accepted / max(verify, 1), "verify_steps": verify,
+                    "drafter_versions": versions,
+                    "gap": await idle_gap(http, a.gap_steps, a.gap_timeout),
+                })
+                bar.update(1)
+                p = phases[-1]
+                bar.write(f"v{k} phase {i}: online accept {p['online_accept']:.3f} with drafter "
+                          f"{versions}, reward {p['reward']:.2f}, gap {p['gap']}")
+    bar.close()
+    return phases
+
+
+def run_adaptive(a: Args, dirs: list[Path]) -> list[dict]:
+    state = a.work / "trainer"
+    server = ["--model", str(dirs[0]), "--dtype", "bfloat16", "--max-model-len", "1024",
+              "--max-num-seqs", str(a.prompts), "--spec-max-batch", str(a.spec_max_batch),
+              "--speculative", "drafter", "--drafter", str(a.drafter),
+              "--num-draft-tokens", str(DEPTH), "--train-drafter",
+              "--trainer-state-dir", str(state), "--capture-sample-rate", "1.0"]
+    with running_server(server) as url:
+        return asyncio.run(adaptive(a, dirs, url))
+
+
+# ---- evaluation + report -----------------------------------------------------------------
+def evaluate(a: Args, dirs: list[Path], phases: list[dict]) -> list[dict]:
+    rows = []
+    for k, d in enumerate(tqdm(dirs, desc="offline accept")):
+        stub = version_stub(d)
+        for p in (p for p in phases if p["version"] == k):
+            samples = as_samples(decode_samples((a.work / "phases" / p["samples"]).read_bytes()))
+            served = p["drafter_versions"][-1] if p["drafter_versions"] else None
+            pub = a.work / "trainer" / "published" / f"v{served}"
+            row = {**p,
+                   "static": accept_on(a.drafter, stub, samples, DEPTH).accept_length,
+                   "reference": accept_on(a.work / "ref" / f"v{k}", stub, samples,
+                                          DEPTH).accept_length}
+            drafter = pub if pub.is_dir() else a.drafter
+            row["adaptive_offline"] = accept_on(drafter, stub, samples, DEPTH).accept_length
+            rows.append(row)
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = list(range(len(rows)))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.plot(x, [r["static"] for r in rows], "o-", label="(a) static warm-up drafter")
+    ax.plot(x, [r["online_accept"] for r in rows], "s-", label="(b) adaptive, served")
+    ax.plot(x, [r["adaptive_offline"] for r in rows], "s:", alpha=0.6,
+            label="(b) adaptive, offline measure")
+    ax.plot(x, [r["reference"] for r in rows], "^--", label="(c) offline-converged per version")
+    for r_i, r in enumerate(rows):
+        if r["phase"] == 0:
+            ax.axvline(r_i - 0.5, color="grey", lw=0.6)
+            ax.text(r_i - 0.4, ax.get_ylim()[1] * 0.02, f"v{r['version']}", color="grey")
+    ax.set_xticks(x, [f"v{r['version']}.{r['phase']}" for r in rows], fontsize=7)
+    ax.set_xlabel("rollout phase (target version . phase)")
+    ax.set_ylabel(f"accept length (depth {DEPTH}, excl. bonus)")
+    ax.set_title("Drafter accept length across drifting target versions")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summary(rows: list[dict]) -> dict:
+    """The issue's targets, on the offline measure (the same for all three drafters; the
+    served figure averages over the chains the engine happened to start, see the README)."""
+    second = [r for r in rows if r["phase"] == 1]
+    last = [r for r in rows if r["version"] == rows[-1]["version"]]
+
+    def ratio(num: str, den: str, rs: list[dict]) -> float:
+        return round(sum(r[num] for r in rs) / max(sum(r[den] for r in rs), 1e-9), 3)
+
+    return {
+        "second_phase_adaptive_over_reference": [
+            ratio("adaptive_offline", "reference", [r]) for r in second],
+        "last_version_adaptive_over_static": ratio("adaptive_offline", "static", last),
+        "last_version_adaptive_over_static_served": ratio("online_accept", "static", last),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", default=str(default_cache_dir() / "drafters" / "smollm2-135m"))
+    ap.add_argument("--work", default=str(default_cache_dir() / "adaptation"))
+    ap.add_argument("--stage", choices=["all", "reference", "adaptive", "report"], default="all")
+    ap.add_argument("--versions", type=int, default=4)
+    ap.add_argument("--phases", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--gap-steps", type=int, default=60)
+    ap.add_argument("--gap-timeout", type=float, default=900)
+    ap.add_argument("--ref-prompts", type=int, default=96)
+    ap.add_argument("--ref-steps", type=int, default=200)
+    ap.add_argument("--spec-max-batch", type=int, default=8,
+                    help="the server speculates (and reports accept length) in the tail only")
+    ap.add_argument("--out", default="benchmarks/results/adaptation.json")
+    n = ap.parse_args()
+    a = Args(Path(n.drafter).expanduser(), Path(n.work).expanduser(), n.versions, n.phases,
+             n.prompts, n.max_new, n.gap_steps, n.gap_timeout, n.ref_prompts, n.ref_steps,
+             n.spec_max_batch, Path(n.out))
+    a.work.mkdir(parents=True, exist_ok=True)
+    dirs = version_dirs(DriftConfig(versions=a.versions))
+    if n.stage in ("all", "reference"):
+        refs = references(a, dirs)
+        (a.work / "references.json").write_text(json.dumps(refs, indent=2))
+    if n.stage in ("all", "adaptive"):
+        phases = run_adaptive(a, dirs)
+        (a.work / "phases.json").write_text(json.dumps(phases, indent=2))
+    if n.stage in ("all", "report"):
+        phases = json.loads((a.work / "phases.json").read_text())
+        rows = evaluate(a, dirs, phases)
+        result = {"benchmark": "adaptation", "args": {k: str(v) for k, v in vars(n).items()},
+                  "references": json.loads((a.work / "references.json").read_text()),
+                  "phases": rows, "summary": summary(rows)}
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=2))
+        plot(rows, a.out.with_suffix(".png"))
+        for r in rows:
+            print(f"v{r['version']}.{r['phase']}: static {r['static']:.3f}  adaptive "
+                  f"{r['online_accept']:.3f} (offline {r['adaptive_offline']:.3f})  "
+                  f"reference {r['reference']:.3f}  drafter {r['drafter_versions']}")
+        print(json.dumps(result["summary"]))
+        print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
