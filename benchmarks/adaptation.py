@@ -188,11 +188,16 @@ def run_adaptive(a: Args, dirs: list[Path]) -> list[dict]:
 # ---- evaluation + report -----------------------------------------------------------------
 def evaluate(a: Args, dirs: list[Path], phases: list[dict]) -> list[dict]:
     rows = []
+    # The drafter serving a phase: what drafted in it, else (a phase that never speculated)
+    # what the previous gap left serving.
+    serving = {id(p): p["drafter_versions"][-1] if p["drafter_versions"]
+               else (phases[i - 1]["gap"]["drafter_version"] if i else None)
+               for i, p in enumerate(phases)}
     for k, d in enumerate(tqdm(dirs, desc="offline accept")):
         stub = version_stub(d)
         for p in (p for p in phases if p["version"] == k):
             samples = as_samples(decode_samples((a.work / "phases" / p["samples"]).read_bytes()))
-            served = p["drafter_versions"][-1] if p["drafter_versions"] else None
+            served = serving[id(p)]
             pub = a.work / "trainer" / "published" / f"v{served}"
             row = {**p,
                    "static": accept_on(a.drafter, stub, samples, DEPTH).accept_length,
@@ -200,6 +205,7 @@ def evaluate(a: Args, dirs: list[Path], phases: list[dict]) -> list[dict]:
                                           DEPTH).accept_length}
             drafter = pub if pub.is_dir() else a.drafter
             row["adaptive_offline"] = accept_on(drafter, stub, samples, DEPTH).accept_length
+            row["serving_drafter"] = served
             rows.append(row)
     return rows
 
@@ -213,7 +219,8 @@ def plot(rows: list[dict], path: Path) -> None:
     x = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.plot(x, [r["static"] for r in rows], "o-", label="(a) static warm-up drafter")
-    ax.plot(x, [r["online_accept"] for r in rows], "s-", label="(b) adaptive, served")
+    served = [r["online_accept"] if r["verify_steps"] else float("nan") for r in rows]
+    ax.plot(x, served, "s-", label="(b) adaptive, served (tail steps only)")
     ax.plot(x, [r["adaptive_offline"] for r in rows], "s:", alpha=0.6,
             label="(b) adaptive, offline measure")
     ax.plot(x, [r["reference"] for r in rows], "^--", label="(c) offline-converged per version")
@@ -251,7 +258,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", default=str(default_cache_dir() / "drafters" / "smollm2-135m"))
     ap.add_argument("--work", default=str(default_cache_dir() / "adaptation"))
-    ap.add_argument("--stage", choices=["all", "reference", "adaptive", "report"], default="all")
+    ap.add_argument("--stage", default="all",
+                    choices=["all", "reference", "adaptive", "report", "plot"])
     ap.add_argument("--versions", type=int, default=4)
     ap.add_argument("--phases", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=32)
@@ -275,6 +283,8 @@ def main() -> None:
     if n.stage in ("all", "adaptive"):
         phases = run_adaptive(a, dirs)
         (a.work / "phases.json").write_text(json.dumps(phases, indent=2))
+    if n.stage == "plot":  # redraw from the result JSON
+        plot(json.loads(a.out.read_text())["phases"], a.out.with_suffix(".png"))
     if n.stage in ("all", "report"):
         phases = json.loads((a.work / "phases.json").read_text())
         rows = evaluate(a, dirs, phases)
@@ -286,8 +296,9 @@ def main() -> None:
         plot(rows, a.out.with_suffix(".png"))
         for r in rows:
             print(f"v{r['version']}.{r['phase']}: static {r['static']:.3f}  adaptive "
-                  f"{r['online_accept']:.3f} (offline {r['adaptive_offline']:.3f})  "
-                  f"reference {r['reference']:.3f}  drafter {r['drafter_versions']}")
+                  f"{r['adaptive_offline']:.3f} (served {r['online_accept']:.3f} over "
+                  f"{r['verify_steps']} verify steps)  reference {r['reference']:.3f}  "
+                  f"drafter v{r['serving_drafter']}")
         print(json.dumps(result["summary"]))
         print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
 

@@ -26,7 +26,7 @@ import httpx
 import torch
 from safetensors.torch import save
 
-from clients.results import Sample, group_samples, parse_sample, raise_for
+from clients.results import Sample, ServerError, group_samples, parse_sample, raise_for
 
 UPLOAD_CHUNK_BYTES = 64 << 20
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
@@ -56,8 +56,6 @@ def _sse_payload(line: str) -> dict[str, Any] | None:
     body = json.loads(line[6:])
     if "error" in body:  # the server failed mid-stream
         err = body["error"]
-        from clients.results import ServerError
-
         raise ServerError(int(err.get("code", 500)), str(err.get("message")), err.get("param"))
     return dict(body)
 

@@ -44,7 +44,7 @@ def main() -> None:
         model=model, prompt="Once upon a time", max_tokens=8, n=3, temperature=1.0, logprobs=1,
     )
     for c in out.choices:
-        lps = c.logprobs.token_logprobs if c.logprobs else []
+        lps = (c.logprobs.token_logprobs if c.logprobs else None) or []
         print(f"sample {c.index}: {c.text!r}  sum logprob {sum(lps):.2f}")
 
 

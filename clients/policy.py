@@ -36,13 +36,12 @@ class Batch:
 
 
 def load_policy(path: str | Path, train_embeddings: bool = False) -> Any:
-    """The HF causal LM at ``path`` in fp32, in train mode."""
+    """The HF causal LM at ``path`` in fp32. Kept in eval mode (gradients still flow): no
+    dropout, so its log-probabilities are the ones the server computes."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.train()
-    # No dropout: the log-probabilities must be those the server computes.
-    model.config.attention_dropout = 0.0
+    model.eval()
     if not train_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
         model.get_output_embeddings().weight.requires_grad_(False)
