@@ -146,6 +146,14 @@ class Client:
                                   params=params))
         return out
 
+    def pause_drafter_training(self) -> None:
+        """Tell a ``--train-drafter`` server the machine is busy (e.g. the RL update runs on
+        the same cores): its drafter trainer stops within one micro-step."""
+        self._post("/pause_drafter_training", {})
+
+    def resume_drafter_training(self) -> None:
+        self._post("/resume_drafter_training", {})
+
     def weight_version(self) -> str:
         return str(self._get("/get_weight_version")["weight_version"])
 

@@ -52,6 +52,7 @@ class GrpoConfig:
     mean_ops: float = 3.0  # problem length (operations), geometric: long-tailed answers
     push: str = "disk"  # disk | tensor
     server_dtype: str = "bfloat16"
+    pause_drafter: bool = False  # pause the server's drafter trainer while the policy trains
     seed: int = 0
     api_key: str | None = None
 
@@ -181,10 +182,16 @@ class GrpoLoop:
             t0 = time.perf_counter()
             rollouts = self.rollout(step)
             t1 = time.perf_counter()
-            train = self.train(rollouts)
-            t2 = time.perf_counter()
-            self.push(f"grpo-{step + 1}")
-            t3 = time.perf_counter()
+            if self.cfg.pause_drafter:
+                self.client.pause_drafter_training()
+            try:
+                train = self.train(rollouts)
+                t2 = time.perf_counter()
+                self.push(f"grpo-{step + 1}")
+                t3 = time.perf_counter()
+            finally:
+                if self.cfg.pause_drafter:
+                    self.client.resume_drafter_training()
             rec = {"step": step, "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
                    **summarize(rollouts), **train}
             records.append(rec)
@@ -220,8 +227,11 @@ def main(argv: list[str] | None = None) -> None:
     d = GrpoConfig()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, value in asdict(d).items():
-        kind = type(value) if value is not None else str
-        ap.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            ap.add_argument(flag, type=type(value) if value is not None else str, default=value)
     cfg = GrpoConfig(**vars(ap.parse_args(argv)))
     try:
         cfg.validate()

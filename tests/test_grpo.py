@@ -39,10 +39,19 @@ def _length_reward(p: Problem, text: str) -> float:
 def test_loop_trains_pushes_and_stays_on_policy(served: Served, tmp_path: Path) -> None:
     cfg = GrpoConfig(server=served.base_url, model=str(served.model_dir), out=str(tmp_path),
                      steps=3, prompts=2, group=4, max_new_tokens=8, lr=1e-3, micro_batch=3,
-                     server_dtype="float32")
+                     server_dtype="float32", pause_drafter=True)
     loop = GrpoLoop(cfg, reward_fn=_length_reward)
     before = {n: p.detach().clone() for n, p in loop.params.items()}
+    paused_during_train: list[bool] = []
+    train = loop.train
+
+    def spy(rollouts):  # type: ignore[no-untyped-def]
+        paused_during_train.append(loop.client.drafter_info()["training"]["paused"])
+        return train(rollouts)
+
+    loop.train = spy  # type: ignore[method-assign]
     records = loop.run()
+    assert paused_during_train == [True, True, True]
     # Each step's rollouts ran on the weights pushed after the previous step.
     assert [r["weight_versions"] for r in records[1:]] == [["grpo-1"], ["grpo-2"]]
     for r in records:
@@ -57,3 +66,5 @@ def test_loop_trains_pushes_and_stays_on_policy(served: Served, tmp_path: Path) 
     assert {"rollout_s", "train_s", "sync_s", "reward", "len_p90"} <= set(logged[0])
     with loop.client as c:
         assert c.weight_version() == "grpo-3"
+        # Drafter training was paused around every update and resumed after it.
+        assert c.drafter_info()["training"]["paused"] is False
