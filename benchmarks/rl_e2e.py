@@ -40,11 +40,12 @@ def run_config(a: argparse.Namespace, name: str) -> list[dict]:
     work = Path(a.work) / name
     shutil.rmtree(work, ignore_errors=True)
     if name == "tlt":
-        flags += ["--trainer-state-dir", str(work / "trainer")]
+        flags += ["--trainer-state-dir", str(work / "trainer"),
+                  "--train-max-running", str(a.train_max_running)]
     with running_server(flags) as url:
         cfg = GrpoConfig(server=url, model=a.model, out=str(work), steps=a.steps,
                          prompts=a.prompts, group=a.group, max_new_tokens=a.max_new,
-                         lr=a.lr, seed=a.seed)
+                         lr=a.lr, seed=a.seed, pause_drafter=a.pause_drafter)
         return GrpoLoop(cfg).run()
 
 
@@ -82,6 +83,10 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-max-running", type=int, default=0,
+                    help="tlt: the drafter trains while at most this many requests run")
+    ap.add_argument("--pause-drafter", action="store_true",
+                    help="the RL loop pauses drafter training during its policy update")
     ap.add_argument("--work", default="/tmp/tlt-rl-e2e")
     ap.add_argument("--out", default="benchmarks/results/rl_e2e.json")
     a = ap.parse_args()
