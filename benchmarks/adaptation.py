@@ -41,7 +41,7 @@ from benchmarks.adaptation_reference import (
 )
 from benchmarks.drift import DriftConfig, version_dirs
 from benchmarks.serverproc import running_server
-from clients.tasks import make_problems, reward
+from clients.tasks import make_problems, prompt_ids, reward
 from tlt_serve.capture import decode_samples, encode_samples
 from tlt_serve.models.provision import default_cache_dir
 from tlt_serve.models.tokenizer import load_tokenizer
@@ -68,8 +68,7 @@ class Args:
 
 def phase_prompts(tok: Any, version: int, phase: int, n: int) -> tuple[list, list[list[int]]]:
     problems = make_problems(n, seed=100_000 + 100 * version + phase)
-    ids = [tok.apply_chat_template([{"role": "user", "content": p.prompt}]) for p in problems]
-    return problems, ids
+    return problems, prompt_ids(tok, problems)
 
 
 # ---- (c): offline references -------------------------------------------------------------
@@ -77,9 +76,7 @@ def references(a: Args, dirs: list[Path]) -> list[dict]:
     tok = load_tokenizer(dirs[0])
     out = []
     for k, d in enumerate(dirs):
-        problems = make_problems(a.ref_prompts, seed=200_000 + k)
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p.prompt}])
-                   for p in problems]
+        prompts = prompt_ids(tok, make_problems(a.ref_prompts, seed=200_000 + k))
         cfg = TrainConfig(steps=a.ref_steps, batch_tokens=1024, row_len=512, eval_every=50)
         print(f"reference drafter for v{k}")
         out.append(reference_drafter(d, a.drafter, a.work / "ref" / f"v{k}", prompts,

@@ -84,8 +84,7 @@ def reference_drafter(
     stub = head_target(target, MAX_POSITIONS)
     del target
     n_train = len(samples) - heldout_n
-    drafter = load_drafter(warm, stub).train().requires_grad_(True)
-    drafter.refresh_head()
+    drafter = load_drafter(warm, stub).train().requires_grad_(True)  # head already refreshed
     held = prepare_heldout(drafter, batches(samples[n_train:], 512, 2, None))
     before = offline_accept(drafter, held, depth)
     hist = train(drafter, samples[:n_train], held, train_cfg, seed)

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from clients.policy import load_policy, make_batch, response_logprobs, save_policy
-from clients.tasks import make_problems, solution
+from clients.tasks import make_problems, prompt_ids, solution
 from tlt_serve.models.provision import default_cache_dir, resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
 
@@ -70,7 +70,7 @@ def _stage(cfg: DriftConfig, prev: Path, base: Path, out: Path, k: int, key: dic
     bar = tqdm(range(cfg.steps), desc=f"drift v{k} (style {k - 1})")
     for step in bar:
         chunk = problems[step * cfg.batch : (step + 1) * cfg.batch]
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p.prompt}]) for p in chunk]
+        prompts = prompt_ids(tok, chunk)
         answers = [tok.encode(solution(p, k - 1)) + [eos] for p in chunk]
         loss = -response_logprobs(model, make_batch(prompts, answers, eos)).mean()
         loss.backward()

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from benchmarks.load_client import Timed, stream_generate, stream_openai
 from benchmarks.prompts import chat_messages
 from benchmarks.serverproc import running_server
-from clients.tasks import make_problems
+from clients.tasks import make_problems, prompt_ids
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
 
@@ -54,8 +54,7 @@ def workload(a: argparse.Namespace) -> list[tuple[list[int], dict]]:
     rng = random.Random(a.seed)
     reqs = []
     if a.workload == "task":
-        for i, p in enumerate(make_problems(a.num, a.seed)):
-            ids = tok.apply_chat_template([{"role": "user", "content": p.prompt}])
+        for i, ids in enumerate(prompt_ids(tok, make_problems(a.num, a.seed))):
             for j in range(a.n):
                 reqs.append((ids, {"max_new_tokens": a.max_len, "temperature": 1.0,
                                    "sampling_seed": a.seed * 100_003 + i * a.n + j}))

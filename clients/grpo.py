@@ -31,7 +31,7 @@ from tqdm import tqdm
 from clients.client import Client
 from clients.policy import load_policy, make_batch, response_logprobs
 from clients.results import Sample
-from clients.tasks import Problem, make_problems, reward
+from clients.tasks import Problem, make_problems, prompt_ids, reward
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
 
@@ -124,8 +124,7 @@ class GrpoLoop:
     def rollout(self, step: int) -> list[Rollout]:
         problems = make_problems(self.cfg.prompts, 7919 * self.cfg.seed + step,
                                  self.cfg.mean_ops)
-        prompts = [self.tok.apply_chat_template([{"role": "user", "content": p.prompt}])
-                   for p in problems]
+        prompts = prompt_ids(self.tok, problems)
         groups = self.client.generate(
             prompts, n=self.cfg.group, return_logprob=True, temperature=self.cfg.temperature,
             max_new_tokens=self.cfg.max_new_tokens,

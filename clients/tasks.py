@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 OPS = ("+", "-", "*")
 WORDS = {"+": "add", "-": "subtract", "*": "multiply by"}
@@ -97,6 +99,12 @@ def _phrase(op: str, a: int, n: int) -> str:
     if op == "-":
         return f"subtracting {n} from {a}"
     return f"multiplying {a} by {n}"
+
+
+def prompt_ids(tokenizer: Any, problems: Sequence[Problem]) -> list[list[int]]:
+    """Each problem as a one-turn chat prompt (token ids, assistant turn opened)."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}])
+            for p in problems]
 
 
 def reward(p: Problem, text: str) -> float:
