@@ -5,10 +5,13 @@ server serves it (outputs still exact), and a restarted trainer resumes from its
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,14 +133,17 @@ def test_server_supervises_the_trainer_through_sigkill(
 ) -> None:
     """--train-drafter: the server starts the trainer and suspends it while requests run;
     SIGKILL mid-training leaves serving untouched, the supervisor restarts it, and it
-    resumes from its checkpoint."""
+    resumes from its checkpoint. With separate API and admin keys the trainer gets the admin
+    key (it pulls samples and swaps drafters). SIGTERM aborts the request in flight (partial
+    output) and the trainer writes a checkpoint on its way out."""
     state = tmp_path / "state"
     proc = start_cli(str(tiny_model_dir), "--max-num-seqs", "8", "--speculative", "drafter",
                      "--drafter", str(drafter_dir), "--train-drafter", "--trainer-state-dir",
-                     str(state))
+                     str(state), "--api-key", "user-key", "--admin-key", "admin-key")
     try:
         url = read_ready_url(proc)
-        with httpx.Client(base_url=url, timeout=600) as http:
+        headers = {"Authorization": "Bearer user-key"}
+        with httpx.Client(base_url=url, timeout=600, headers=headers) as http:
             params = {"max_new_tokens": 48, "temperature": 1.0, "n": 8, "ignore_eos": True}
             assert http.post("/generate", json={"text": PROMPTS, "sampling_params": params}
                              ).status_code == 200
@@ -169,6 +175,36 @@ def test_server_supervises_the_trainer_through_sigkill(
             resumed = wait_for(lambda: (t := training()["trainer"])["pid"] == after["pid"] and t,
                                timeout=120, interval=0.5)
             assert resumed["step"] >= ckpt_step  # it started from the checkpoint, not from 0
+            sigterm_with_a_stream_in_flight(proc, url, headers, state)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+
+
+def sigterm_with_a_stream_in_flight(
+    proc: subprocess.Popen[str], url: str, headers: dict[str, str], state: Path
+) -> None:
+    events: list = []
+    body = {"text": PROMPTS[0], "stream": True,
+            "sampling_params": {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}}
+
+    def stream() -> None:
+        with httpx.Client(base_url=url, timeout=120, headers=headers) as c, c.stream(
+            "POST", "/generate", json=body
+        ) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[len("data: "):]))
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    wait_for(lambda: len(events) >= 2, timeout=60, interval=0.01)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert proc.wait(60) in (0, -signal.SIGTERM)
+    assert events and events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(events[-1]["output_ids"]) < 240  # the partial output came back
+    newest = checkpoints(state)[0]
+    assert newest.stat().st_mtime >= sent - 1  # written on the way out
+

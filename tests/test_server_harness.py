@@ -45,18 +45,31 @@ class Served:
         self.client.shutdown()
 
 
-def server_config(model_dir: Path, api_key: str | None = None, **engine_kw: Any) -> ServerConfig:
+def server_config(
+    model_dir: Path,
+    api_key: str | None = None,
+    server_kw: dict[str, Any] | None = None,
+    **engine_kw: Any,
+) -> ServerConfig:
     engine = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(max_num_seqs=engine_kw.pop("max_num_seqs", 8)),
         **engine_kw,
     )
-    return ServerConfig(engine=engine, port=0, api_key=api_key, log_level="warning")
+    return ServerConfig(
+        engine=engine, port=0, api_key=api_key, log_level="warning", **(server_kw or {})
+    )
 
 
-def serve(model_dir: Path, api_key: str | None = None, **engine_kw: Any) -> Served:
-    config = server_config(model_dir, api_key, **engine_kw)
-    client = EngineClient(config.engine, "warning")
+def serve(
+    model_dir: Path,
+    api_key: str | None = None,
+    server_kw: dict[str, Any] | None = None,
+    **engine_kw: Any,
+) -> Served:
+    """``server_kw``: other ServerConfig fields (admin_key, request_timeout_s, ...)."""
+    config = server_config(model_dir, api_key, server_kw, **engine_kw)
+    client = EngineClient(config.engine, "warning", config.request_timeout_s)
     client.start()
     app = build_app(config, client)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

@@ -155,21 +155,43 @@ def test_update_weight_version(http) -> None:
     assert generate(http)["meta_info"]["weight_version"] == "step-42"
 
 
-def test_in_flight_request_reports_every_version(served, http, other_dir) -> None:
+@pytest.mark.parametrize("mode", ["in_place", "abort"])
+def test_weight_update_during_generation(served, http, other_dir, expected, mode) -> None:
+    """in_place: the running request keeps its KV and finishes on the new weights (its
+    versions say so); abort: it ends at once with its partial output on the old version.
+    Either way a request queued during the pause runs on the new weights only."""
     body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 200,
                                                        "ignore_eos": True}, "stream": True}
+    queued: dict[str, dict] = {}
+
+    def wait_in_queue() -> None:
+        with served.http() as c:
+            queued["out"] = generate(c)
+
     with served.http() as streamer, streamer.stream("POST", "/generate", json=body) as resp:
         lines = resp.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        http.post("/pause_generation", json={"mode": "in_place"})
+        http.post("/pause_generation", json={"mode": mode})
+        waiter = threading.Thread(target=wait_in_queue)
+        waiter.start()
+        wait_for(lambda: engine_counts(http)[1] == 1)  # the new request waits in the queue
         update = http.post("/update_weights_from_disk",
                            json={"model_path": str(other_dir), "weight_version": "next"})
         assert update.status_code == 200
         http.post("/continue_generation")
         last = [line for line in lines if line.startswith("data: {")][-1]
-    meta = httpx.Response(200, content=last[len("data: "):]).json()["meta_info"]
-    assert meta["weight_versions"] == ["base", "next"]
-    assert meta["weight_version"] == "next"
+        waiter.join(60)
+    final = httpx.Response(200, content=last[len("data: "):]).json()
+    meta = final["meta_info"]
+    if mode == "in_place":
+        assert meta["weight_versions"] == ["base", "next"] and meta["weight_version"] == "next"
+        assert meta["finish_reason"]["type"] == "length" and len(final["output_ids"]) == 200
+    else:
+        assert meta["weight_versions"] == ["base"] and meta["finish_reason"]["type"] == "abort"
+        assert 0 < len(final["output_ids"]) < 200
+    after = queued["out"]
+    assert after["meta_info"]["weight_versions"] == ["next"]
+    assert after["output_ids"] == expected["other"]
     wait_for(lambda: engine_counts(http) == (0, 0, 0))
 
 

@@ -185,6 +185,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    admin_key: str | None = None  # if set, admin routes need it (and the API key cannot)
+    request_timeout_s: float | None = None  # a request still running after this is aborted
+    max_body_bytes: int = 64 << 20  # JSON bodies above this get 413 (weight uploads stream)
     served_model_name: str | None = None  # name reported by /v1/models; default: the model arg
     log_level: str = "info"
 
@@ -198,5 +201,11 @@ class ServerConfig:
                 "drafter: --train-drafter improves a served drafter: give --speculative "
                 "drafter|auto --drafter PATH (e.g. from tlt-train warmup)"
             )
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ConfigError(f"request_timeout: must be > 0 s, got {self.request_timeout_s}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_mb: must be >= 1 KiB, got {self.max_body_bytes} bytes")
+        if self.api_key and self.api_key == self.admin_key:
+            raise ConfigError("admin_key: must differ from the API key")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: must be in [0, 65535], got {self.port}")

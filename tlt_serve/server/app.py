@@ -1,19 +1,23 @@
-"""FastAPI app factory: routes, error shape, optional API key. State lives on ``app.state``."""
+"""FastAPI app factory: routes, error shape, optional API and admin keys.
+
+State lives on ``app.state``."""
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+import tlt_serve
 from tlt_serve.config import ServerConfig
 from tlt_serve.models.tokenizer import Tokenizer, load_tokenizer
+from tlt_serve.server.auth import install_auth
 from tlt_serve.server.bridge import EngineClient
-from tlt_serve.server.errors import error_body, install_error_handlers
+from tlt_serve.server.errors import install_error_handlers
+from tlt_serve.server.limits import install_body_limit
+from tlt_serve.server.openapi import install_openapi
 from tlt_serve.server.routes_control import control_routes
 from tlt_serve.server.routes_drafter import drafter_routes
 from tlt_serve.server.routes_generate import generate_routes
@@ -21,8 +25,6 @@ from tlt_serve.server.routes_openai import openai_routes
 from tlt_serve.server.routes_weights import weight_routes
 from tlt_serve.server.state import ServerState
 from tlt_serve.server.uploads import TensorUploads
-
-OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no credentials
 
 
 def build_app(
@@ -48,43 +50,17 @@ def build_app(
         state.uploads.discard_all()  # half-finished weight uploads leave no temp files
 
     app = FastAPI(
-        title="tlt-serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+        title="tlt-serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+        lifespan=lifespan, description="RL rollout server: SGLang-native and OpenAI APIs",
     )
     app.state.tlt = state
     install_error_handlers(app)
-    for router in (
+    routers = (
         generate_routes(), openai_routes(), control_routes(), weight_routes(), drafter_routes()
-    ):
+    )
+    for router in routers:
         app.include_router(router)
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    install_openapi(app, tlt_serve.__version__)
+    install_body_limit(app, config.max_body_bytes)
+    install_auth(app, routers, config.api_key, config.admin_key)  # outermost: no key, no body read
     return app
-
-
-class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on every path but /health (pure ASGI, so
-    streaming responses and their disconnect handling pass through untouched)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if hmac.compare_digest(got, self.expected):
-            await self.app(scope, receive, send)
-            return
-        body = error_body(401, "missing or invalid API key (Authorization: Bearer <key>)")
-        await send({
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", b"Bearer"),
-            ],
-        })
-        await send({"type": "http.response.body", "body": body})

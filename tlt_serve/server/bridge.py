@@ -70,9 +70,15 @@ class ControlFailed(Exception):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, log_level: str = "info") -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_level: str = "info",
+        request_timeout_s: float | None = None,
+    ) -> None:
         self.config = config
         self.log_level = log_level
+        self.request_timeout_s = request_timeout_s  # abort requests older than this
         self.info: EngineInfo | None = None
         self.stats: StatsSnapshot | None = None  # latest snapshot pushed by the engine
         self.dead_reason: str | None = None
@@ -205,6 +211,8 @@ class EngineClient:
             # Cancelled (client gone) or engine dead: the engine may have queued it already.
             self.abandon(state)
             raise
+        if self.request_timeout_s is not None and state.remaining > 0:
+            state.timer = loop.call_later(self.request_timeout_s, self.abort, rid)
         return RequestStream(state, self.abandon)
 
     async def generate(
@@ -243,6 +251,8 @@ class EngineClient:
             listener(len(self._streams))
 
     def _forget(self, state: StreamState) -> None:
+        if state.timer is not None:
+            state.timer.cancel()
         if self._streams.get(state.rid) is state:
             del self._streams[state.rid]
             self._load_changed()

@@ -18,6 +18,7 @@ from tlt_serve.config import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    SchedulerConfig,
     ServerConfig,
     SpecConfig,
     TrainingConfig,
@@ -45,9 +46,21 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     serve.add_argument("--api-key", default=os.environ.get("TLT_SERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $TLT_SERVE_API_KEY, "
                        "which keeps the key out of the process list)")
+    serve.add_argument("--admin-key", default=os.environ.get("TLT_SERVE_ADMIN_KEY"),
+                       help="a separate key for the admin routes (weight updates, pause, flush, "
+                       "abort, drafter control); the API key then cannot call them "
+                       "(default: $TLT_SERVE_ADMIN_KEY)")
+    serve.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                       help="abort a request still queued or running after S seconds (it "
+                       "returns its partial output, finish_reason abort)")
+    serve.add_argument("--max-body-mb", type=float, default=ServerConfig.max_body_bytes / 2**20,
+                       metavar="MB", help="larger JSON request bodies get 413")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
     serve.add_argument("--max-num-seqs", type=int, default=CacheConfig.max_num_seqs)
+    serve.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting,
+                       metavar="N", help="queued requests beyond which new ones get 503 with "
+                       "Retry-After")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--speculative", choices=SPEC_METHODS, default=SpecConfig.method,
                        help="speculative decoding: n-gram drafts, a drafter checkpoint, or auto "
@@ -84,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         engine=EngineConfig(
             model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
             cache=CacheConfig(max_num_seqs=args.max_num_seqs),
+            scheduler=SchedulerConfig(max_waiting=args.max_waiting),
             spec=SpecConfig(
                 method=args.speculative,
                 drafter=args.drafter,
@@ -107,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        admin_key=args.admin_key,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=int(args.max_body_mb * 2**20),
         served_model_name=args.served_model_name,
         log_level=args.log_level,
     )
@@ -176,7 +193,7 @@ class _Server(uvicorn.Server):
 
 def serve(config: ServerConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    client = EngineClient(config.engine, config.log_level)
+    client = EngineClient(config.engine, config.log_level, config.request_timeout_s)
     try:
         client.start()
     except EngineStartError as err:

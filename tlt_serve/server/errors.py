@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 from tlt_serve.sampling_params import ParamError
 from tlt_serve.server.bridge import ControlFailed, EngineDeadError, RequestRejected
@@ -51,6 +52,16 @@ def error_response(
 ) -> Response:
     body = error_body(status, message, param)
     return Response(body, status, dict(headers or {}), media_type="application/json")
+
+
+async def send_error(send: Send, status: int, message: str, param: str | None = None) -> None:
+    """Answer with the error shape from ASGI middleware (before any route ran)."""
+    body = error_body(status, message, param)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def decode_body(body: bytes, kind: type[T]) -> T:

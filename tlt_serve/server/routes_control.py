@@ -17,6 +17,7 @@ from tlt_serve.server.errors import decode_body, error_response
 from tlt_serve.server.inputs import Job, new_rid
 from tlt_serve.server.messages import StatsSnapshot
 from tlt_serve.server.metrics import CONTENT_TYPE, render_metrics
+from tlt_serve.server.openapi import json_body
 from tlt_serve.server.protocol import (
     AbortReq,
     DetokenizeOut,
@@ -26,7 +27,7 @@ from tlt_serve.server.protocol import (
     TokenizeReq,
 )
 from tlt_serve.server.results import SampleBook, collect, submit_all
-from tlt_serve.server.state import ServerState, get_state, json_response
+from tlt_serve.server.state import ADMIN_TAG, ServerState, get_state, json_response
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 STATS_TIMEOUT_S = 5.0
@@ -85,7 +86,7 @@ def control_routes() -> APIRouter:
             "version": tlt_serve.__version__,
         })
 
-    @router.post("/abort_request")
+    @router.post("/abort_request", tags=[ADMIN_TAG], openapi_extra=json_body(AbortReq))
     async def abort_request(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), AbortReq)
@@ -97,7 +98,7 @@ def control_routes() -> APIRouter:
             raise ParamError("rid", "give a rid or abort_all: true")
         return json_response({"success": True})
 
-    @router.post("/pause_generation")
+    @router.post("/pause_generation", tags=[ADMIN_TAG], openapi_extra=json_body(PauseReq))
     async def pause(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), PauseReq)
@@ -106,17 +107,18 @@ def control_routes() -> APIRouter:
         await st.client.call("pause", mode=req.mode)
         return json_response({"status": "ok", "message": f"generation paused ({req.mode})"})
 
-    @router.post("/continue_generation")
+    @router.post("/continue_generation", tags=[ADMIN_TAG])
     async def resume(request: Request) -> Response:
         await get_state(request).client.call("continue")
         return json_response({"status": "ok", "message": "generation continued"})
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.get("/flush_cache", tags=[ADMIN_TAG])
+    @router.post("/flush_cache", tags=[ADMIN_TAG])
     async def flush_cache(request: Request) -> Response:
         await get_state(request).client.call("flush_cache")
         return json_response({"success": True, "message": "Cache flushed."})
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", openapi_extra=json_body(TokenizeReq))
     async def tokenize(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), TokenizeReq)
@@ -133,7 +135,7 @@ def control_routes() -> APIRouter:
             ids = list(hf.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         return json_response(TokenizeOut(ids, len(ids), st.info.max_model_len))
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", openapi_extra=json_body(DetokenizeReq))
     async def detokenize(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), DetokenizeReq)
@@ -164,6 +166,7 @@ async def fresh_stats(st: ServerState) -> StatsSnapshot:
 
 def _redacted_config(st: ServerState) -> dict[str, Any]:
     cfg = dataclasses.asdict(st.config)
-    if cfg.get("api_key"):
-        cfg["api_key"] = "<set>"  # never echo the key
+    for key in ("api_key", "admin_key"):
+        if cfg.get(key):
+            cfg[key] = "<set>"  # never echo a key
     return cfg

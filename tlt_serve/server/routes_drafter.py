@@ -20,13 +20,14 @@ from fastapi.responses import Response
 
 from tlt_serve.sampling_params import ParamError
 from tlt_serve.server.errors import decode_body
+from tlt_serve.server.openapi import json_body
 from tlt_serve.server.protocol_drafter import (
     GateOut,
     TrainerReport,
     UpdateDrafterOut,
     UpdateDrafterReq,
 )
-from tlt_serve.server.state import ServerState, get_state, json_response
+from tlt_serve.server.state import ADMIN_TAG, ServerState, get_state, json_response
 
 BLOB = "application/octet-stream"
 
@@ -34,7 +35,9 @@ BLOB = "application/octet-stream"
 def drafter_routes() -> APIRouter:
     router = APIRouter()
 
-    @router.post("/update_drafter_from_disk")
+    @router.post(
+        "/update_drafter_from_disk", tags=[ADMIN_TAG], openapi_extra=json_body(UpdateDrafterReq)
+    )
     async def update_from_disk(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), UpdateDrafterReq)
@@ -63,21 +66,21 @@ def drafter_routes() -> APIRouter:
         }
         return json_response(info)
 
-    @router.post("/pause_drafter_training")
+    @router.post("/pause_drafter_training", tags=[ADMIN_TAG])
     async def pause_training(request: Request) -> Response:
         get_state(request).training.paused = True
         return json_response({"success": True, "paused": True})
 
-    @router.post("/resume_drafter_training")
+    @router.post("/resume_drafter_training", tags=[ADMIN_TAG])
     async def resume_training(request: Request) -> Response:
         get_state(request).training.paused = False
         return json_response({"success": True, "paused": False})
 
-    @router.get("/drafter/gate")
+    @router.get("/drafter/gate", tags=[ADMIN_TAG])
     async def get_gate(request: Request) -> Response:
         return json_response(gate(get_state(request)))
 
-    @router.get("/drafter/samples")
+    @router.get("/drafter/samples", tags=[ADMIN_TAG])
     async def samples(request: Request, after: int = 0, max_bytes: int = 64 << 20) -> Response:
         st = get_state(request)
         if after < 0:
@@ -92,13 +95,15 @@ def drafter_routes() -> APIRouter:
         }
         return Response(payload["data"], media_type=BLOB, headers=headers)
 
-    @router.get("/drafter/target")
+    @router.get("/drafter/target", tags=[ADMIN_TAG])
     async def target(request: Request) -> Response:
         payload = await get_state(request).client.call("drafter_target")
         headers = {"x-weight-version": payload["weight_version"]}
         return Response(payload["data"], media_type=BLOB, headers=headers)
 
-    @router.post("/drafter/trainer_status")
+    @router.post(
+        "/drafter/trainer_status", tags=[ADMIN_TAG], openapi_extra=json_body(TrainerReport)
+    )
     async def trainer_status(request: Request) -> Response:
         st = get_state(request)
         st.training.report = decode_body(await request.body(), TrainerReport)

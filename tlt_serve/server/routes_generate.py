@@ -13,6 +13,7 @@ from tlt_serve.sampling_params import SamplingParams
 from tlt_serve.server.bridge import EngineDeadError
 from tlt_serve.server.errors import decode_body, error_body
 from tlt_serve.server.inputs import generate_jobs
+from tlt_serve.server.openapi import json_body
 from tlt_serve.server.protocol import FinishReasonOut, GenerateOut, GenerateReq, MetaInfo
 from tlt_serve.server.results import (
     ClientGone,
@@ -30,7 +31,8 @@ from tlt_serve.server.streams import RequestStream
 def generate_routes() -> APIRouter:
     router = APIRouter()
 
-    @router.api_route("/generate", methods=["POST", "PUT"])
+    @router.put("/generate", openapi_extra=json_body(GenerateReq))
+    @router.post("/generate", openapi_extra=json_body(GenerateReq))
     async def generate(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), GenerateReq)

@@ -22,6 +22,7 @@ from tlt_serve.server.format_openai import (
 )
 from tlt_serve.server.inputs import Job
 from tlt_serve.server.inputs_openai import chat_job, completion_jobs
+from tlt_serve.server.openapi import json_body
 from tlt_serve.server.protocol_openai import (
     ChatChoice,
     ChatChunk,
@@ -57,7 +58,7 @@ def openai_routes() -> APIRouter:
         card = ModelCard(st.model_name, int(st.started), st.info.max_model_len, st.info.model_path)
         return json_response(ModelList([card]))
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=json_body(CompletionReq))
     async def completions(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), CompletionReq)
@@ -65,7 +66,7 @@ def openai_routes() -> APIRouter:
         jobs = completion_jobs(req, st.tokenizer, st.info)
         return await _serve(request, st, jobs, req.stream, _Completions(st, req, jobs))
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=json_body(ChatReq))
     async def chat(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), ChatReq)

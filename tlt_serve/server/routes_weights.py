@@ -17,6 +17,7 @@ from tlt_serve.engine.weight_sync import DIST_DTYPES
 from tlt_serve.sampling_params import ParamError
 from tlt_serve.server.bridge import ControlFailed
 from tlt_serve.server.errors import decode_body
+from tlt_serve.server.openapi import binary_body, json_body
 from tlt_serve.server.protocol import (
     DestroyGroupReq,
     InitGroupReq,
@@ -25,7 +26,7 @@ from tlt_serve.server.protocol import (
     UpdateWeightVersionReq,
     WeightUpdateOut,
 )
-from tlt_serve.server.state import ServerState, get_state, json_response
+from tlt_serve.server.state import ADMIN_TAG, ServerState, get_state, json_response
 
 
 def weight_routes() -> APIRouter:
@@ -37,7 +38,9 @@ def weight_routes() -> APIRouter:
         payload = await st.client.call("info")
         return json_response({"weight_version": payload["info"].weight_version})
 
-    @router.post("/update_weight_version")
+    @router.post(
+        "/update_weight_version", tags=[ADMIN_TAG], openapi_extra=json_body(UpdateWeightVersionReq)
+    )
     async def set_version(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), UpdateWeightVersionReq)
@@ -46,7 +49,9 @@ def weight_routes() -> APIRouter:
         return await _apply(st, "update_weight_version", new_version=req.new_version,
                             abort_all=req.abort_all_requests)
 
-    @router.post("/update_weights_from_disk")
+    @router.post(
+        "/update_weights_from_disk", tags=[ADMIN_TAG], openapi_extra=json_body(UpdateFromDiskReq)
+    )
     async def from_disk(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), UpdateFromDiskReq)
@@ -55,7 +60,7 @@ def weight_routes() -> APIRouter:
         return await _apply(st, "update_weights_from_disk", model_path=req.model_path,
                             weight_version=req.weight_version, abort_all=req.abort_all_requests)
 
-    @router.post("/update_weights_from_tensor")
+    @router.post("/update_weights_from_tensor", tags=[ADMIN_TAG], openapi_extra=binary_body())
     async def from_tensor(
         request: Request,
         chunk: int = 0,
@@ -85,7 +90,9 @@ def weight_routes() -> APIRouter:
         finally:
             done.unlink(missing_ok=True)
 
-    @router.post("/init_weights_update_group")
+    @router.post(
+        "/init_weights_update_group", tags=[ADMIN_TAG], openapi_extra=json_body(InitGroupReq)
+    )
     async def init_group(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), InitGroupReq)
@@ -100,7 +107,11 @@ def weight_routes() -> APIRouter:
                             world_size=req.world_size, backend=req.backend,
                             group_name=req.group_name)
 
-    @router.post("/update_weights_from_distributed")
+    @router.post(
+        "/update_weights_from_distributed",
+        tags=[ADMIN_TAG],
+        openapi_extra=json_body(UpdateFromDistributedReq),
+    )
     async def from_distributed(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), UpdateFromDistributedReq)
@@ -120,7 +131,9 @@ def weight_routes() -> APIRouter:
                             weight_version=req.weight_version,
                             abort_all=req.abort_all_requests)
 
-    @router.post("/destroy_weights_update_group")
+    @router.post(
+        "/destroy_weights_update_group", tags=[ADMIN_TAG], openapi_extra=json_body(DestroyGroupReq)
+    )
     async def destroy_group(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), DestroyGroupReq)

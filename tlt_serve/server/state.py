@@ -15,6 +15,8 @@ from tlt_serve.server.messages import EngineInfo
 from tlt_serve.server.protocol_drafter import TrainerReport
 from tlt_serve.server.uploads import TensorUploads
 
+ADMIN_TAG = "admin"  # routes that change what is served; --admin-key guards them
+
 
 @dataclass
 class TrainingState:

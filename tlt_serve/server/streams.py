@@ -26,6 +26,7 @@ class StreamState:
         # The caller left: outputs are dropped, but the rid stays registered (and so cannot
         # be reused) until the engine reports its samples finished.
         self.abandoned = False
+        self.timer: asyncio.TimerHandle | None = None  # the request timeout's abort
         self._waiter: asyncio.Future[None] | None = None
 
     def push(self, out: StepOutput) -> None:

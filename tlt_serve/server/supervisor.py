@@ -6,7 +6,8 @@ for ``/get_drafter_info``. Load comes first: the moment more than ``max_running`
 are in flight the trainer process is suspended (SIGSTOP) and it resumes (SIGCONT) when load
 drops again — it yields the cores at once, not after its current micro-step (the trainer's
 own gate check stays as the mechanism for a trainer the server does not supervise).
-The API key reaches it through the environment, never argv (which other users can read).
+The admin key (else the API key) reaches it through the environment, never argv (which
+other users can read).
 On shutdown it gets SIGTERM, checkpoints and exits.
 """
 
@@ -61,8 +62,9 @@ class TrainerSupervisor:
     def __init__(self, config: ServerConfig, url: str, state: TrainingState) -> None:
         self.cmd = trainer_command(config, url)
         self.env = dict(os.environ)
-        if config.api_key:
-            self.env["TLT_SERVE_API_KEY"] = config.api_key
+        key = config.admin_key or config.api_key  # it pulls samples and swaps drafters
+        if key:
+            self.env["TLT_SERVE_API_KEY"] = key
         self.delay = config.training.restart_delay_s
         self.training = config.training
         self.state = state

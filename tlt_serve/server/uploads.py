@@ -5,10 +5,12 @@ with raw safetensors bytes (a slice of one file) as the body. Chunks of one uplo
 order 0..n-1; chunk 0 (re)starts the upload. Bytes go to a temporary file, not memory or the
 engine pipe; when the last chunk lands the engine process loads the whole file, validates
 every tensor, and swaps them in atomically between two steps (or changes nothing).
+At most ``MAX_UPLOADS`` unfinished uploads are kept (their temp files are disk, not RAM).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ from pathlib import Path
 from tlt_serve.sampling_params import ParamError
 
 MAX_CHUNKS = 100_000
+MAX_UPLOADS = 4  # unfinished uploads kept at once; a new one beyond evicts the oldest
+log = logging.getLogger("tlt_serve.uploads")
 
 
 @dataclass
@@ -41,6 +45,10 @@ class TensorUploads:
             raise ParamError("chunk", f"must be in [0, {num_chunks}), got {chunk}")
         if chunk == 0:
             self.discard(upload_id)
+            while len(self._uploads) >= MAX_UPLOADS:  # abandoned uploads must not pile up
+                oldest = next(iter(self._uploads))
+                log.warning("discarding unfinished upload %r: too many at once", oldest)
+                self.discard(oldest)
             fd, name = tempfile.mkstemp(prefix="tlt-weights-", suffix=".safetensors",
                                         dir=self.directory)
             os.close(fd)
