@@ -18,6 +18,7 @@ from tlt_serve import SamplingParams
 from tlt_serve.capture import decode_samples
 from tlt_serve.config import CaptureConfig, SpecConfig
 from tlt_serve.server.cli import parse_args
+from tlt_serve.server.supervisor import trainer_command
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?", "Bonjour, ça va?"]
 GREEDY = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
@@ -40,10 +41,12 @@ def served_drafter(tiny_model_dir: Path, drafters: list[Path]) -> Iterator[Serve
 def test_cli_capture_and_training_flags() -> None:
     cfg = parse_args(["serve", "--train-drafter", "--train-max-running", "2",
                       "--capture-max-mb", "64", "--capture-sample-rate", "0.5",
-                      "--speculative", "auto", "--drafter", "/d"])
+                      "--speculative", "auto", "--drafter", "/d", "--trainer-threads", "1"])
     assert cfg.engine.capture.enabled and cfg.training.enabled  # training implies capture
     assert (cfg.engine.capture.max_bytes, cfg.engine.capture.sample_rate) == (64 << 20, 0.5)
-    assert cfg.training.max_running == 2
+    assert cfg.training.max_running == 2 and cfg.training.threads == 1
+    cmd = trainer_command(cfg, "http://127.0.0.1:1")
+    assert cmd[cmd.index("--threads") + 1] == "1" and cmd[cmd.index("--init") + 1] == "/d"
     assert not parse_args(["serve"]).engine.capture.enabled
 
 

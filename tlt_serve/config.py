@@ -166,6 +166,7 @@ class TrainingConfig:
     max_running: int = 0  # it may train while at most this many requests are in flight
     state_dir: str | None = None  # its checkpoints (None: under the server's cache dir)
     restart_delay_s: float = 2.0  # wait before restarting a trainer that exited
+    threads: int | None = None  # the trainer's torch threads (a CPU budget); None: torch's
 
     def busy(self, in_flight: int) -> bool:
         """No spare capacity for training: more than ``max_running`` requests in flight."""
@@ -176,6 +177,8 @@ class TrainingConfig:
             raise ConfigError(f"train_max_running: must be >= 0, got {self.max_running}")
         if self.restart_delay_s < 0:
             raise ConfigError(f"restart_delay_s: must be >= 0, got {self.restart_delay_s}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"trainer_threads: must be >= 1, got {self.threads}")
 
 
 @dataclass(frozen=True)

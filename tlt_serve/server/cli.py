@@ -88,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     serve.add_argument("--train-max-running", type=int, default=TrainingConfig.max_running,
                        metavar="N", help="the trainer may run while at most N requests are "
                        "in flight")
+    serve.add_argument("--trainer-threads", type=int, default=None, metavar="N",
+                       help="torch threads of the trainer process: its CPU budget beside the "
+                       "engine (default: torch's)")
     serve.add_argument("--trainer-state-dir", default=None, metavar="DIR",
                        help="trainer checkpoints (default: under the cache directory)")
     serve.add_argument("--log-level", default="info",
@@ -117,6 +120,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
             enabled=args.train_drafter,
             max_running=args.train_max_running,
             state_dir=args.trainer_state_dir,
+            threads=args.trainer_threads,
         ),
         host=args.host,
         port=args.port,

@@ -45,6 +45,8 @@ def trainer_command(config: ServerConfig, url: str) -> list[str]:
            "--log-level", config.log_level]
     if config.engine.spec.drafter:
         cmd += ["--init", config.engine.spec.drafter]
+    if config.training.threads:
+        cmd += ["--threads", str(config.training.threads)]
     return cmd
 
 
