@@ -149,6 +149,9 @@ BAD_CONTROL = [
     ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, None),
     ("/update_weights_from_disk", {"model_path": "/x", "load_format": "gguf"}, "load_format"),
     ("/update_weight_version", {"new_version": ""}, "new_version"),
+    ("/update_weight_version", {"new_version": "v\U0006718f"}, "new_version"),  # fuzz-found
+    ("/update_weights_from_disk", {"model_path": "/x", "weight_version": "v" * 129},
+     "weight_version"),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": 3}, "prompt"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),

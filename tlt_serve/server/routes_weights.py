@@ -28,6 +28,8 @@ from tlt_serve.server.protocol import (
 )
 from tlt_serve.server.state import ADMIN_TAG, ServerState, get_state, json_response
 
+MAX_VERSION_LEN = 128
+
 
 def weight_routes() -> APIRouter:
     router = APIRouter()
@@ -44,9 +46,8 @@ def weight_routes() -> APIRouter:
     async def set_version(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), UpdateWeightVersionReq)
-        if not req.new_version:
-            raise ParamError("new_version", "must be non-empty")
-        return await _apply(st, "update_weight_version", new_version=req.new_version,
+        return await _apply(st, "update_weight_version",
+                            new_version=checked_version("new_version", req.new_version),
                             abort_all=req.abort_all_requests)
 
     @router.post(
@@ -57,8 +58,9 @@ def weight_routes() -> APIRouter:
         req = decode_body(await request.body(), UpdateFromDiskReq)
         if req.load_format not in (None, "auto", "safetensors"):
             raise ParamError("load_format", "only safetensors checkpoints are supported")
+        version = checked_version("weight_version", req.weight_version)
         return await _apply(st, "update_weights_from_disk", model_path=req.model_path,
-                            weight_version=req.weight_version, abort_all=req.abort_all_requests)
+                            weight_version=version, abort_all=req.abort_all_requests)
 
     @router.post("/update_weights_from_tensor", tags=[ADMIN_TAG], openapi_extra=binary_body())
     async def from_tensor(
@@ -69,6 +71,7 @@ def weight_routes() -> APIRouter:
         weight_version: str | None = None,
     ) -> Response:
         st = get_state(request)
+        weight_version = checked_version("weight_version", weight_version)
         path = st.uploads.begin_chunk(upload_id, chunk, num_chunks)
         try:
             with path.open("ab") as f:
@@ -126,9 +129,10 @@ def weight_routes() -> APIRouter:
             raise ParamError("shapes", "dimensions must be >= 0")
         if req.load_format is not None:
             raise ParamError("load_format", "not supported")
+        version = checked_version("weight_version", req.weight_version)
         return await _apply(st, "update_weights_from_distributed", names=req.names,
                             dtypes=dtypes, shapes=req.shapes, group_name=req.group_name,
-                            weight_version=req.weight_version,
+                            weight_version=version,
                             abort_all=req.abort_all_requests)
 
     @router.post(
@@ -140,6 +144,17 @@ def weight_routes() -> APIRouter:
         return await _apply(st, "destroy_weights_update_group", group_name=req.group_name)
 
     return router
+
+
+def checked_version(field: str, version: str | None) -> str | None:
+    """Versions travel in headers too (``x-weight-version``): 1-128 printable ASCII chars."""
+    if version is None:
+        return None
+    if not version or len(version) > MAX_VERSION_LEN:
+        raise ParamError(field, f"must be 1-{MAX_VERSION_LEN} characters, got {len(version)}")
+    if not all(" " <= c <= "~" for c in version):
+        raise ParamError(field, "must be printable ASCII (it is also sent as a header)")
+    return version
 
 
 async def _apply(st: ServerState, name: str, **kwargs: Any) -> Response:
