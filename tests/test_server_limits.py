@@ -13,6 +13,7 @@ from tests.test_server_errors import assert_error
 from tests.test_server_harness import Served, engine_counts, serve, server_config, wait_for
 from tlt_serve.config import ConfigError
 from tlt_serve.sampling_params import ParamError
+from tlt_serve.server import routes_control
 from tlt_serve.server.cli import parse_args
 from tlt_serve.server.uploads import MAX_UPLOADS, TensorUploads
 
@@ -154,3 +155,21 @@ def test_abandoned_uploads_do_not_pile_up(tmp_path) -> None:
     assert path.read_bytes() == b"x" * 10
     uploads.discard_all()
     assert not list(tmp_path.iterdir())
+
+
+def test_a_busy_engine_gives_503_or_stale_stats_not_500(served: Served, monkeypatch) -> None:
+    """When an engine step outlasts the stats timeout (a big prefill on a loaded CPU),
+    /get_server_info falls back to the last pushed stats and says so; /health_generate
+    answers 503 with Retry-After."""
+    with as_(served, USER) as http:
+        assert http.post("/generate", json={"text": "hi", "sampling_params": OK_SP}
+                         ).status_code == 200  # the engine has pushed stats at least once
+        monkeypatch.setattr(routes_control, "STATS_TIMEOUT_S", 0.0)
+        info = http.get("/get_server_info")
+        assert info.status_code == 200 and info.json()["stats_stale"] is True
+        busy = http.get("/health_generate")
+        assert_error(busy, 503, None)
+        assert busy.headers["retry-after"] == "1"
+        assert http.get("/metrics").status_code == 200
+        monkeypatch.undo()
+        assert http.get("/get_server_info").json()["stats_stale"] is False

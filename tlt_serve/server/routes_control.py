@@ -13,7 +13,7 @@ import tlt_serve
 from tlt_serve.sampling_params import ParamError, SamplingParams
 from tlt_serve.server.bridge import EngineDeadError
 from tlt_serve.server.engine_proc import PAUSE_MODES
-from tlt_serve.server.errors import decode_body, error_response
+from tlt_serve.server.errors import ApiError, decode_body, error_response
 from tlt_serve.server.inputs import Job, new_rid
 from tlt_serve.server.messages import StatsSnapshot
 from tlt_serve.server.metrics import CONTENT_TYPE, render_metrics
@@ -75,13 +75,14 @@ def control_routes() -> APIRouter:
     @router.get("/get_server_info")
     async def server_info(request: Request) -> Response:
         st = get_state(request)
-        stats = await fresh_stats(st)
+        stats, stale = await latest_stats(st)
         return json_response({
             **_redacted_config(st),
             "engine_info": dataclasses.asdict(st.info),
             "stats": dataclasses.asdict(stats),
             "weight_version": stats.weight_version,
             "paused": stats.paused,
+            "stats_stale": stale,
             "in_flight": st.client.in_flight(),
             "version": tlt_serve.__version__,
         })
@@ -150,7 +151,7 @@ def control_routes() -> APIRouter:
         st = get_state(request)
         try:
             stats: StatsSnapshot | None = await fresh_stats(st)
-        except (EngineDeadError, asyncio.TimeoutError):
+        except (EngineDeadError, ApiError):
             stats = st.client.stats  # last known: still worth scraping
         text = render_metrics(stats, st.client.alive, st.client.in_flight(), st.model_name)
         return Response(text, media_type=CONTENT_TYPE)
@@ -159,9 +160,25 @@ def control_routes() -> APIRouter:
 
 
 async def fresh_stats(st: ServerState) -> StatsSnapshot:
-    payload = await st.client.call("stats", timeout=STATS_TIMEOUT_S)
+    """Stats from the engine between two steps; 503 + Retry-After when a step (e.g. a big
+    prefill on a loaded CPU) keeps it from answering within ``STATS_TIMEOUT_S``."""
+    try:
+        payload = await st.client.call("stats", timeout=STATS_TIMEOUT_S)
+    except asyncio.TimeoutError as err:  # not the builtin before Python 3.11
+        raise ApiError(503, f"engine busy: no stats within {STATS_TIMEOUT_S:.0f} s",
+                       headers={"Retry-After": "1"}) from err
     stats: StatsSnapshot = payload["stats"]
     return stats
+
+
+async def latest_stats(st: ServerState) -> tuple[StatsSnapshot, bool]:
+    """Fresh stats, else the last ones the engine pushed; the flag says they are stale."""
+    try:
+        return await fresh_stats(st), False
+    except ApiError:
+        if st.client.stats is None:
+            raise
+        return st.client.stats, True
 
 
 def _redacted_config(st: ServerState) -> dict[str, Any]:
