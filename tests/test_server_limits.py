@@ -13,7 +13,7 @@ from tests.test_server_errors import assert_error
 from tests.test_server_harness import Served, engine_counts, serve, server_config, wait_for
 from tlt_serve.config import ConfigError
 from tlt_serve.sampling_params import ParamError
-from tlt_serve.server import routes_control
+from tlt_serve.server import results, routes_control
 from tlt_serve.server.cli import parse_args
 from tlt_serve.server.uploads import MAX_UPLOADS, TensorUploads
 
@@ -173,3 +173,40 @@ def test_a_busy_engine_gives_503_or_stale_stats_not_500(served: Served, monkeypa
         assert http.get("/metrics").status_code == 200
         monkeypatch.undo()
         assert http.get("/get_server_info").json()["stats_stale"] is False
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/generate", {"text": "hi", "stream": True, "sampling_params": OK_SP}),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 2}),
+])
+def test_queued_streams_get_keepalive_comments(served: Served, monkeypatch, path, body) -> None:
+    """A stream waiting in the queue sends SSE comments (proxies with idle timeouts keep it);
+    here the request timeout then ends it, and it still closes properly."""
+    monkeypatch.setattr(results, "SSE_KEEPALIVE_S", 0.2)
+    with as_(served, ADMIN) as http:
+        http.post("/pause_generation", json={"mode": "in_place"})
+        try:
+            with http.stream("POST", path, json=body) as resp:
+                lines = [line for line in resp.iter_lines() if line]
+        finally:
+            http.post("/continue_generation")
+        wait_for(lambda: engine_counts(http) == (0, 0, 0))
+    comments = [line for line in lines if line.startswith(":")]
+    assert len(comments) >= 3 and set(comments) == {": keep-alive"}
+    assert lines.index(comments[0]) == 0 and lines[-1] == "data: [DONE]"
+
+
+def test_leaving_a_queued_stream_during_keepalives_frees_it(served: Served, monkeypatch) -> None:
+    monkeypatch.setattr(results, "SSE_KEEPALIVE_S", 0.1)
+    body = {"text": "hi", "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+    with as_(served, ADMIN) as http:
+        http.post("/pause_generation", json={"mode": "in_place"})
+        try:
+            with as_(served, USER) as c, c.stream("POST", "/generate", json=body) as resp:
+                lines = resp.iter_lines()  # held: dropping it would close the response
+                assert next(line for line in lines if line) == ": keep-alive"
+                assert engine_counts(http)[1:] == (1, 1)  # queued, in flight
+            wait_for(lambda: engine_counts(http) == (0, 0, 0))  # gone before it ever ran
+        finally:
+            http.post("/continue_generation")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TypeVar
 
 from fastapi import Request
@@ -18,6 +18,8 @@ from tlt_serve.server.streams import RequestStream
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+SSE_KEEPALIVE_S = 15.0  # a stream silent this long (e.g. queued) gets an SSE comment
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see traffic
 
 
 class ClientGone(Exception):
@@ -86,7 +88,7 @@ def close_all(streams: list[RequestStream]) -> None:
         s.close()
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[list[StepOutput]]:
+async def merged(streams: list[RequestStream]) -> AsyncGenerator[list[StepOutput], None]:
     """Output batches of several streams as they arrive; closes (aborts) them all at the end."""
     try:
         if len(streams) == 1:
@@ -120,6 +122,37 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[list[StepOutput]
                 t.cancel()
     finally:
         close_all(streams)
+
+
+async def keepalive(
+    source: AsyncGenerator[list[StepOutput], None], every_s: float | None = None
+) -> AsyncIterator[list[StepOutput] | None]:
+    """The batches of ``source``, plus ``None`` whenever ``every_s`` (default
+    ``SSE_KEEPALIVE_S``) pass without one: the stream then sends an SSE comment, so a request
+    waiting in the queue keeps its connection alive through proxies with idle timeouts.
+    Closing this closes ``source`` (which aborts its requests)."""
+    every = SSE_KEEPALIVE_S if every_s is None else every_s
+    it = aiter(source)
+    pending: asyncio.Future[list[StepOutput]] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            task, pending = pending, None
+            try:
+                outs = task.result()
+            except StopAsyncIteration:
+                return
+            yield outs
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await source.aclose()
 
 
 async def collect(streams: list[RequestStream], book: SampleBook) -> SampleBook:

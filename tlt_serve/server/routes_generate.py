@@ -16,9 +16,11 @@ from tlt_serve.server.inputs import generate_jobs
 from tlt_serve.server.openapi import json_body
 from tlt_serve.server.protocol import FinishReasonOut, GenerateOut, GenerateReq, MetaInfo
 from tlt_serve.server.results import (
+    KEEPALIVE,
     ClientGone,
     SampleBook,
     collect,
+    keepalive,
     merged,
     submit_all,
     token_texts,
@@ -58,7 +60,10 @@ async def _sse(
     """SGLang's default stream: each event carries the sample's cumulative text/ids/meta_info."""
     indexed = len(book.samples) > 1
     try:
-        async for outs in merged(streams):
+        async for outs in keepalive(merged(streams)):
+            if outs is None:
+                yield KEEPALIVE
+                continue
             for k in book.absorb(outs):
                 out = fmt.output(book, k)
                 if indexed:

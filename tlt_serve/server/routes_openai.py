@@ -38,9 +38,11 @@ from tlt_serve.server.protocol_openai import (
     ModelList,
 )
 from tlt_serve.server.results import (
+    KEEPALIVE,
     ClientGone,
     SampleBook,
     collect,
+    keepalive,
     merged,
     submit_all,
     until_disconnected,
@@ -103,7 +105,10 @@ async def _sse(
     try:
         for opening in api.opening(book):
             yield opening
-        async for outs in merged(streams):
+        async for outs in keepalive(merged(streams)):
+            if outs is None:
+                yield KEEPALIVE
+                continue
             for k, new in book.absorb(outs).items():
                 chunk = api.chunk(book, k, new)
                 if chunk is not None:
