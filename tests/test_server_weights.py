@@ -110,11 +110,15 @@ def test_partial_tensor_update(http, other_dir) -> None:
     save({"model.norm.weight": torch.ones(3)}),  # wrong shape
     save({"model.layers.0.nonsense.weight": torch.ones(64)}),  # unknown name
     save({"model.norm.weight": torch.full((64,), float("nan"))}),  # non-finite
+    save({"model.norm.weight": torch.ones(64, dtype=torch.int32)}),  # wrong dtype
     b"",
+    "truncated",  # a real checkpoint of the other model, cut short
 ])
 def test_bad_tensor_updates_are_rejected_and_old_weights_keep_serving(
-    http, expected, payload
+    http, expected, other_dir, payload
 ) -> None:
+    if payload == "truncated":
+        payload = checkpoint_bytes(other_dir)[:-1000]
     resp = upload(http, payload, 1, weight_version="bad")
     assert resp.status_code == 400
     body = resp.json()
