@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -248,3 +249,29 @@ def test_update_from_distributed_group(served, http, other_dir, expected) -> Non
     missing = http.post("/update_weights_from_distributed", json={
         "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]})
     assert missing.status_code == 400 and "init" in missing.json()["message"]
+
+
+def test_a_trainer_that_never_joins_does_not_stall_serving(served, http, expected) -> None:
+    """The rendezvous waits on a worker thread: requests keep being served meanwhile, a
+    second weight-sync call is refused as busy, and the init fails cleanly at its timeout."""
+    replies: dict[str, httpx.Response] = {}
+
+    def init() -> None:
+        with served.http() as c:
+            replies["init"] = c.post("/init_weights_update_group", json={
+                "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+                "world_size": 2, "timeout_s": 4})
+
+    waiter = threading.Thread(target=init)
+    t0 = time.monotonic()
+    waiter.start()
+    time.sleep(0.5)  # the init is waiting for rank 0 now
+    out = generate(http)
+    assert out["output_ids"] == expected["base"] and time.monotonic() - t0 < 4
+    busy = http.post("/destroy_weights_update_group", json={})
+    assert busy.status_code == 400 and "busy" in busy.json()["message"]
+    waiter.join(60)
+    assert replies["init"].status_code == 400
+    assert "init_weights_update_group failed" in replies["init"].json()["message"]
+    assert time.monotonic() - t0 >= 4
+    assert generate(http)["output_ids"] == expected["base"]

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -22,7 +25,7 @@ from tlt_serve.engine.engine import Engine
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.sampling_params import ParamError
 from tlt_serve.server.engine_drafter import DrafterControls
-from tlt_serve.server.engine_weights import ControlError, WeightControls
+from tlt_serve.server.engine_weights import Background, ControlError, WeightControls
 from tlt_serve.server.messages import (
     Abort,
     AbortAll,
@@ -44,6 +47,11 @@ from tlt_serve.spec.checkpoint import DrafterError
 
 log = logging.getLogger("tlt_serve.engine_proc")
 IDLE_WAIT_S = 0.5  # how long to block for messages when there is nothing to step
+# Controls refused while a background one (which holds the weight-sync group) is in flight.
+BACKGROUND_EXCLUSIVE = frozenset({
+    "init_weights_update_group", "update_weights_from_distributed",
+    "destroy_weights_update_group",
+})
 STATS_EVERY_S = 0.5  # attach a stats snapshot to step batches at most this often
 PAUSE_MODES = ("abort", "in_place")
 
@@ -82,6 +90,30 @@ def _send_quietly(conn: Connection, msg: Any) -> None:
         log.warning("could not report to the front end")
 
 
+@dataclass
+class _Pending:
+    """A background control in flight: its reply goes out when ``future`` is done."""
+
+    call_id: int
+    name: str
+    future: Future[Any]
+    finish: Callable[[Any], dict[str, Any]]
+
+
+def _in_thread(work: Callable[[], Any]) -> Future[Any]:
+    """Run ``work`` on a daemon thread (one blocked on a trainer never holds up exit)."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as err:  # delivered to the engine loop, which replies with it
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="engine-background", daemon=True).start()
+    return future
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, conn: Connection) -> None:
         self.engine = engine
@@ -93,7 +125,8 @@ class EngineLoop:
         self.rejected: list[Rejected] = []
         self.last_stats = 0.0
         self.stats_dirty = True
-        self.controls: dict[str, Callable[..., dict[str, Any]]] = {
+        self.pending: _Pending | None = None  # at most one background control at a time
+        self.controls: dict[str, Callable[..., dict[str, Any] | Background]] = {
             "info": lambda: {"info": self.info()},
             "stats": lambda: {"stats": self.snapshot()},
             "pause": self._pause,
@@ -107,6 +140,7 @@ class EngineLoop:
     def run(self) -> None:
         while not self.stopping:
             self._drain(0.0 if self._can_step() else IDLE_WAIT_S)
+            self._reply_background()
             # Acks, rejections and abort outputs go out before the (possibly long) step.
             self._flush()
             if self.stopping:
@@ -153,6 +187,8 @@ class EngineLoop:
             self.outputs.extend(self.engine.abort_all())
         elif isinstance(msg, Control):
             reply = self._control(msg)
+            if reply is None:
+                return  # a background control: it replies when its work is done
             # Outputs a control produced (pause abort) and the state it left (version,
             # paused) reach the front end before its reply.
             self._flush(force_stats=True)
@@ -172,17 +208,42 @@ class EngineLoop:
         else:
             self.accepted.append(msg.rid)
 
-    def _control(self, msg: Control) -> Reply:
+    def _control(self, msg: Control) -> Reply | None:
         handler = self.controls.get(msg.name)
         if handler is None:
             return self._fail(msg.call_id, f"unknown control {msg.name!r}")
+        if self.pending is not None and msg.name in BACKGROUND_EXCLUSIVE:
+            return self._fail(msg.call_id, f"busy: {self.pending.name} is still in progress")
+        return self._guarded(msg.call_id, msg.name, lambda: handler(**msg.kwargs))
+
+    def _guarded(
+        self, call_id: int, name: str, run: Callable[[], dict[str, Any] | Background]
+    ) -> Reply | None:
         try:
-            return Reply(msg.call_id, True, handler(**msg.kwargs))
+            payload = run()
         except (ControlError, ParamError) as err:
-            return self._fail(msg.call_id, str(err))
+            return self._fail(call_id, str(err))
         except Exception as err:  # a failed RPC must not take the engine (and its requests) down
-            log.exception("control %s failed", msg.name)
-            return self._fail(msg.call_id, f"{type(err).__name__}: {err}")
+            log.exception("control %s failed", name)
+            return self._fail(call_id, f"{type(err).__name__}: {err}")
+        if isinstance(payload, Background):
+            self.pending = _Pending(call_id, name, _in_thread(payload.work), payload.finish)
+            return None
+        return Reply(call_id, True, payload)
+
+    def _reply_background(self) -> None:
+        """The background control's reply, once its work is done (finished on this thread,
+        between two steps)."""
+        pending = self.pending
+        if pending is None or not pending.future.done():
+            return
+        self.pending = None
+        reply = self._guarded(
+            pending.call_id, pending.name, lambda: pending.finish(pending.future.result())
+        )
+        assert reply is not None
+        self._flush(force_stats=True)
+        self.conn.send(reply)
 
     def _abort_all(self) -> None:
         self.outputs.extend(self.engine.abort_all())

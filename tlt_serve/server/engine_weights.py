@@ -1,19 +1,23 @@
 """Weight-related control handlers of the engine process (run between two engine steps).
 
 Every update goes through ``Engine.update_weights``: all tensors are validated before any
-parameter is touched, so a rejected update leaves the old weights serving.
+parameter is touched, so a rejected update leaves the old weights serving. The two
+torch.distributed controls wait on the trainer (the rendezvous, the broadcast): they return
+a ``Background`` whose waiting runs on a worker thread while the engine keeps stepping; the
+weights are still applied by the engine loop, between two steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from tlt_serve.engine.engine import Engine, UpdateResult
-from tlt_serve.engine.weight_sync import TensorSpec
+from tlt_serve.engine.weight_sync import TensorSpec, WeightSyncGroup
 from tlt_serve.models.loader import iter_safetensors
 
 DEFAULT_GROUP = "weight_update_group"
@@ -23,13 +27,23 @@ class ControlError(Exception):
     """A control RPC that failed cleanly (the engine keeps its previous state)."""
 
 
+@dataclass(frozen=True)
+class Background:
+    """A control's slow part: ``work`` runs on a worker thread (it must not touch the
+    engine); ``finish`` gets its result on the engine loop, between two steps, and returns
+    the reply payload. An exception from either fails the control."""
+
+    work: Callable[[], Any]
+    finish: Callable[[Any], dict[str, Any]]
+
+
 class WeightControls:
     def __init__(self, engine: Engine, abort_all: Callable[[], None]) -> None:
         self.engine = engine
         self.abort_all = abort_all  # aborts every request; their final outputs are sent
         self.group_name = DEFAULT_GROUP  # label of the engine's (single) weight-sync group
 
-    def handlers(self) -> dict[str, Callable[..., dict[str, Any]]]:
+    def handlers(self) -> dict[str, Callable[..., dict[str, Any] | Background]]:
         return {
             "update_weights_from_disk": self.from_disk,
             "update_weights_from_file": self.from_file,
@@ -66,27 +80,49 @@ class WeightControls:
 
     def init_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        backend: str = "gloo", group_name: str = DEFAULT_GROUP,
-    ) -> dict[str, Any]:
-        # Blocks (no steps) until the trainer, rank 0, has joined too.
-        result = self.engine.init_weight_sync(
-            master_address, master_port, rank_offset, world_size, backend
-        )
-        if result.ok:
+        backend: str = "gloo", group_name: str = DEFAULT_GROUP, timeout_s: float = 120.0,
+    ) -> Background:
+        device = self.engine.config.model.device
+
+        def join() -> WeightSyncGroup:  # waits until the trainer, rank 0, has joined too
+            try:
+                return WeightSyncGroup(master_address, master_port, rank_offset, world_size,
+                                       backend, timeout_s=timeout_s, device=device)
+            except (RuntimeError, ValueError) as err:  # rendezvous timeout, refused, bad args
+                raise ControlError(f"init_weights_update_group failed: {err}") from err
+
+        def joined(group: WeightSyncGroup) -> dict[str, Any]:
+            self.engine.close_weight_sync()
+            self.engine.weight_sync = group
             self.group_name = group_name
-        return _result(result)
+            return {"message": f"joined as rank {rank_offset} of {world_size}",
+                    "weight_version": self.engine.weight_version}
+
+        return Background(join, joined)
 
     def from_group(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]],
         group_name: str = DEFAULT_GROUP, weight_version: str | None = None,
         abort_all: bool = False,
-    ) -> dict[str, Any]:
-        if self.engine.weight_sync is not None and group_name != self.group_name:
+    ) -> Background:
+        sync = self.engine.weight_sync
+        if sync is None:
+            raise ControlError("no weight update group: call init_weights_update_group first")
+        if group_name != self.group_name:
             raise ControlError(f"group_name: the group is {self.group_name!r}, not {group_name!r}")
         if abort_all:
             self.abort_all()
         specs = [TensorSpec(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
-        return _result(self.engine.update_weights_from_distributed(specs, weight_version))
+
+        def receive() -> list[tuple[str, Any]]:  # waits for rank 0's broadcasts
+            try:
+                return sync.receive(specs)
+            except (RuntimeError, ValueError) as err:
+                raise ControlError(f"receiving weights failed: {err}") from err
+
+        return Background(
+            receive, lambda tensors: _result(self.engine.update_weights(tensors, weight_version))
+        )
 
     def destroy_group(self, group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
         if self.engine.weight_sync is None or group_name != self.group_name:

@@ -157,6 +157,7 @@ class InitGroupReq(Struct, forbid_unknown_fields=True):
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "gloo"
+    timeout_s: float = 120.0  # give up when rank 0 has not joined by then (serving goes on)
 
 
 class UpdateFromDistributedReq(Struct, forbid_unknown_fields=True):

@@ -29,6 +29,7 @@ from tlt_serve.server.protocol import (
 from tlt_serve.server.state import ADMIN_TAG, ServerState, get_state, json_response
 
 MAX_VERSION_LEN = 128
+MAX_RENDEZVOUS_S = 3600.0
 
 
 def weight_routes() -> APIRouter:
@@ -105,10 +106,13 @@ def weight_routes() -> APIRouter:
             raise ParamError("rank_offset", "must be in [1, world_size): the trainer is rank 0")
         if not 0 < req.master_port < 65536:
             raise ParamError("master_port", f"must be in [1, 65535], got {req.master_port}")
+        if not 0 < req.timeout_s <= MAX_RENDEZVOUS_S:
+            raise ParamError("timeout_s", f"must be in (0, {MAX_RENDEZVOUS_S:.0f}], "
+                             f"got {req.timeout_s}")
         return await _apply(st, "init_weights_update_group", master_address=req.master_address,
                             master_port=req.master_port, rank_offset=req.rank_offset,
                             world_size=req.world_size, backend=req.backend,
-                            group_name=req.group_name)
+                            group_name=req.group_name, timeout_s=req.timeout_s)
 
     @router.post(
         "/update_weights_from_distributed",
