@@ -241,9 +241,17 @@ class Engine:
         return had
 
     def init_weight_sync(
-        self, master_address: str, master_port: int, rank: int, world_size: int, backend: str
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float = 120.0,
     ) -> UpdateResult:
-        """Join the trainer's weight-broadcast group (blocks until all ranks have joined)."""
+        """Join the trainer's weight-broadcast group (blocks until all ranks have joined or
+        ``timeout_s``). Touches nothing else: it may run on a worker thread while another
+        thread steps, as long as nothing else uses ``weight_sync`` meanwhile."""
         try:
             self.weight_sync = WeightSyncGroup(
                 master_address,
@@ -251,6 +259,7 @@ class Engine:
                 rank,
                 world_size,
                 backend,
+                timeout_s=timeout_s,
                 device=self.config.model.device,
             )
         except (RuntimeError, ValueError) as err:  # rendezvous timeout, refused, bad args
@@ -263,6 +272,16 @@ class Engine:
         self, specs: list[TensorSpec], version: str | None = None
     ) -> UpdateResult:
         """Receive the named tensors from the trainer (rank 0), then apply them all or none."""
+        received = self.receive_weights(specs)
+        if isinstance(received, UpdateResult):
+            return received
+        return self.update_weights(received, version)
+
+    def receive_weights(
+        self, specs: list[TensorSpec]
+    ) -> list[tuple[str, torch.Tensor]] | UpdateResult:
+        """The tensors rank 0 broadcasts (blocks until it has), or the failure. Touches no
+        weight: it may run on a worker thread while another thread steps."""
         if self.weight_sync is None:
             return UpdateResult(
                 False,
@@ -270,10 +289,9 @@ class Engine:
                 self.weight_version,
             )
         try:
-            tensors = self.weight_sync.receive(specs)
+            return self.weight_sync.receive(specs)
         except (RuntimeError, ValueError) as err:
             return UpdateResult(False, f"receiving weights failed: {err}", self.weight_version)
-        return self.update_weights(tensors, version)
 
 
 def sample_rids(rid: str, n: int) -> list[str]:

@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from tlt_serve.engine.engine import Engine, UpdateResult
-from tlt_serve.engine.weight_sync import TensorSpec, WeightSyncGroup
+from tlt_serve.engine.weight_sync import TensorSpec
 from tlt_serve.models.loader import iter_safetensors
 
 DEFAULT_GROUP = "weight_update_group"
@@ -29,9 +29,10 @@ class ControlError(Exception):
 
 @dataclass(frozen=True)
 class Background:
-    """A control's slow part: ``work`` runs on a worker thread (it must not touch the
-    engine); ``finish`` gets its result on the engine loop, between two steps, and returns
-    the reply payload. An exception from either fails the control."""
+    """A control's slow part: ``work`` runs on a worker thread (it may touch only what
+    the engine loop leaves alone meanwhile); ``finish`` gets its result on the engine loop,
+    between two steps, and returns the reply payload. An exception from either fails the
+    control."""
 
     work: Callable[[], Any]
     finish: Callable[[Any], dict[str, Any]]
@@ -82,21 +83,17 @@ class WeightControls:
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
         backend: str = "gloo", group_name: str = DEFAULT_GROUP, timeout_s: float = 120.0,
     ) -> Background:
-        device = self.engine.config.model.device
+        # The rendezvous waits on the trainer (rank 0) on a worker thread; the engine loop
+        # refuses other weight-sync controls meanwhile, so only this thread uses the group.
+        def join() -> UpdateResult:
+            return self.engine.init_weight_sync(
+                master_address, master_port, rank_offset, world_size, backend, timeout_s
+            )
 
-        def join() -> WeightSyncGroup:  # waits until the trainer, rank 0, has joined too
-            try:
-                return WeightSyncGroup(master_address, master_port, rank_offset, world_size,
-                                       backend, timeout_s=timeout_s, device=device)
-            except (RuntimeError, ValueError) as err:  # rendezvous timeout, refused, bad args
-                raise ControlError(f"init_weights_update_group failed: {err}") from err
-
-        def joined(group: WeightSyncGroup) -> dict[str, Any]:
-            self.engine.close_weight_sync()
-            self.engine.weight_sync = group
-            self.group_name = group_name
-            return {"message": f"joined as rank {rank_offset} of {world_size}",
-                    "weight_version": self.engine.weight_version}
+        def joined(result: UpdateResult) -> dict[str, Any]:
+            if result.ok:
+                self.group_name = group_name
+            return _result(result)
 
         return Background(join, joined)
 
@@ -105,24 +102,19 @@ class WeightControls:
         group_name: str = DEFAULT_GROUP, weight_version: str | None = None,
         abort_all: bool = False,
     ) -> Background:
-        sync = self.engine.weight_sync
-        if sync is None:
-            raise ControlError("no weight update group: call init_weights_update_group first")
-        if group_name != self.group_name:
+        if self.engine.weight_sync is not None and group_name != self.group_name:
             raise ControlError(f"group_name: the group is {self.group_name!r}, not {group_name!r}")
         if abort_all:
             self.abort_all()
         specs = [TensorSpec(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
 
-        def receive() -> list[tuple[str, Any]]:  # waits for rank 0's broadcasts
-            try:
-                return sync.receive(specs)
-            except (RuntimeError, ValueError) as err:
-                raise ControlError(f"receiving weights failed: {err}") from err
+        def apply(received: list[tuple[str, Any]] | UpdateResult) -> dict[str, Any]:
+            if isinstance(received, UpdateResult):  # no group, or the transfer failed
+                return _result(received)
+            return _result(self.engine.update_weights(received, weight_version))
 
-        return Background(
-            receive, lambda tensors: _result(self.engine.update_weights(tensors, weight_version))
-        )
+        # Waiting for rank 0's broadcasts happens on a worker thread; applying, on the loop.
+        return Background(lambda: self.engine.receive_weights(specs), apply)
 
     def destroy_group(self, group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
         if self.engine.weight_sync is None or group_name != self.group_name:
