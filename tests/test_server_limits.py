@@ -3,10 +3,12 @@ returns the partial output, and a cap on request bodies (413 before buffering)."
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
 import httpx
+import msgspec
 import pytest
 
 from tests.test_server_errors import assert_error
@@ -210,3 +212,14 @@ def test_leaving_a_queued_stream_during_keepalives_frees_it(served: Served, monk
             wait_for(lambda: engine_counts(http) == (0, 0, 0))  # gone before it ever ran
         finally:
             http.post("/continue_generation")
+
+
+def test_sse_events_stay_on_one_line_for_line_readers() -> None:
+    """Generated text can hold U+0085 / U+2028 / U+2029: JSON keeps them raw, but httpx's
+    iter_lines (str.splitlines) breaks lines there; the soak smoke test once got an event
+    cut in two. Escaped, the event is one line and decodes to the same text."""
+    text = "a\x85b\u2028c\u2029d\x0be\x1cf"
+    event = results.sse_event(msgspec.json.encode({"text": text}))
+    lines = [line for line in httpx._decoders.LineDecoder().decode(event.decode()) if line]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: "):])["text"] == text

@@ -20,6 +20,21 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 SSE_KEEPALIVE_S = 15.0  # a stream silent this long (e.g. queued) gets an SSE comment
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see traffic
+# Line breaks to str.splitlines (which httpx's iter_lines and other SSE readers use) that
+# JSON leaves unescaped: NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR, as their UTF-8 bytes.
+_SPLITLINES_BREAKS = (
+    (b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029")
+)
+
+
+def sse_event(payload: bytes) -> bytes:
+    """One SSE ``data:`` event of a JSON payload, on one line for every reader: generated
+    text may hold U+0085 / U+2028 / U+2029, which JSON keeps raw but line readers split at
+    (an event cut in two is unparseable); escaped, the JSON means the same."""
+    for raw, escaped in _SPLITLINES_BREAKS:
+        if raw in payload:
+            payload = payload.replace(raw, escaped)
+    return b"data: " + payload + b"\n\n"
 
 
 class ClientGone(Exception):

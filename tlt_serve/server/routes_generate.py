@@ -22,6 +22,7 @@ from tlt_serve.server.results import (
     collect,
     keepalive,
     merged,
+    sse_event,
     submit_all,
     token_texts,
     until_disconnected,
@@ -68,9 +69,9 @@ async def _sse(
                 out = fmt.output(book, k)
                 if indexed:
                     out.index = k
-                yield b"data: " + msgspec.json.encode(out) + b"\n\n"
+                yield sse_event(msgspec.json.encode(out))
     except EngineDeadError as err:
-        yield b"data: " + error_body(503, str(err)) + b"\n\n"
+        yield sse_event(error_body(503, str(err)))
     yield b"data: [DONE]\n\n"
 
 

@@ -44,6 +44,7 @@ from tlt_serve.server.results import (
     collect,
     keepalive,
     merged,
+    sse_event,
     submit_all,
     until_disconnected,
 )
@@ -117,12 +118,12 @@ async def _sse(
         if closing is not None:
             yield closing
     except EngineDeadError as err:
-        yield b"data: " + error_body(503, str(err)) + b"\n\n"
+        yield sse_event(error_body(503, str(err)))
     yield b"data: [DONE]\n\n"
 
 
 def _event(obj: object) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+    return sse_event(msgspec.json.encode(obj))
 
 
 class _Api:
