@@ -141,6 +141,33 @@ def test_bf16_matvec_kernel_matches_fp32_product() -> None:
         matvec(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(7))
 
 
+@pytest.mark.parametrize("rows", [*range(1, 9), 9, 17, 64, 130])
+def test_bf16_kernel_rows_match_and_do_not_depend_on_threads(rows: int) -> None:
+    """Each 8-row chunk size (1..8) alone and after full chunks, K with and without the 8- and
+    16-wide remainders, N across tiles; each output is summed by one thread, so the split over
+    threads changes no bit."""
+    from tlt_serve.kernels import bf16_matvec
+
+    matvec = bf16_matvec()
+    if matvec is None:
+        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    g = torch.Generator().manual_seed(rows)
+    threads = torch.get_num_threads()
+    try:
+        for n, k in [(5, 13), (130, 24), (1000, 40), (200, 576)]:
+            w = torch.randn(n, k, generator=g).bfloat16()
+            x = torch.randn(rows, k, generator=g)
+            torch.set_num_threads(2)
+            y2 = matvec(w, x)  # [rows, n]
+            torch.set_num_threads(1)
+            y1 = matvec(w, x)
+            torch.testing.assert_close(y2, x @ w.float().T, atol=1e-4 * k**0.5, rtol=1e-5)
+            assert torch.equal(y1, y2)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@torch.inference_mode()  # as the engine runs: the kernel is only used without autograd
 def test_bf16_model_with_kernels_tracks_fp32(tiny_model_dir) -> None:
     fp32 = build_model(tiny_model_dir, torch.float32, 64)
     bf16 = build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True)
