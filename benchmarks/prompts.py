@@ -1,6 +1,14 @@
-"""A small, varied built-in prompt set (chat, reasoning, code) for benchmarks. No downloads."""
+"""A varied built-in prompt set (chat, reasoning, code) for benchmarks. No downloads.
+
+24 hand-written prompts, then generated ones (topic, number and task lists that are not the
+warm-up trainer's, see trainer/prompts.py), all distinct: a benchmark that gives every
+sequence its own prompt measures speculation honestly. With repeated prompts at T=0 the
+n-gram proposer copies a sibling's or an earlier run's output, which plain decoding cannot.
+"""
 
 from __future__ import annotations
+
+import random
 
 CHAT = [
     "Give me three tips for staying focused while working from home.",
@@ -34,9 +42,108 @@ CODE = [
     "What is the difference between a list and a tuple in Python?",
     "Write a JavaScript function that debounces another function.",
 ]
-ALL = CHAT + REASONING + CODE
+HAND_WRITTEN = CHAT + REASONING + CODE
+
+_SUBJECTS = (
+    "how tides work",
+    "why leaves change colour in autumn",
+    "how a bill becomes a law",
+    "what a credit score is",
+    "how noise-cancelling headphones work",
+    "why we dream",
+    "how bread rises",
+    "what causes earthquakes",
+    "how a bicycle stays upright",
+    "how GPS finds your position",
+    "why cats purr",
+    "how solar panels make electricity",
+    "what an index fund is",
+    "how the heart pumps blood",
+    "why the moon has phases",
+    "how coffee is decaffeinated",
+    "what a mortgage is",
+    "how elections are counted",
+    "how rainbows form",
+    "why ice floats",
+    "how antibiotics work",
+    "what jet lag is",
+    "how a compiler works",
+    "how bees make honey",
+    "why salt melts ice",
+    "how a camera lens focuses",
+    "what a recession is",
+    "how glaciers move",
+    "how the stock market works",
+    "why some people are left-handed",
+)
+_CHAT_FORMS = (
+    "Explain {} in simple terms.",
+    "Write a short paragraph about {}.",
+    "What are common misconceptions about {}?",
+    "Give me a quick overview of {}.",
+    "I have always wondered about {}. Can you help me understand it?",
+)
+_LANGS = ("Python", "JavaScript", "Go", "C", "Rust", "Java")
+_TASKS = (
+    "returns the median of a list of numbers",
+    "validates an email address",
+    "converts a number to its binary representation",
+    "finds all pairs in an array that sum to a target",
+    "parses a CSV line into fields",
+    "computes the power set of a set",
+    "reverses a linked list",
+    "checks whether a sudoku row is valid",
+    "counts the set bits in an integer",
+    "computes the edit distance of two strings",
+    "returns the intersection of two arrays",
+    "generates the first n prime numbers",
+    "converts snake_case to camelCase",
+    "finds the longest common prefix of some strings",
+    "implements a stack with push, pop and peek",
+    "shuffles an array in place",
+)
+
+
+def _reasoning(r: random.Random) -> str:
+    a, b, c = r.randint(12, 99), r.randint(3, 40), r.randint(50, 400)
+    forms = (
+        f"What is {a} * {b}? Show your work.",
+        f"Solve for x: {b}x + {a} = {a + b * r.randint(2, 12)}. Explain each step.",
+        f"A car travels {c} km in {r.randint(2, 6)} hours. What is its average speed? "
+        "Think step by step.",
+        f"A jacket costs ${c} and is {r.choice((10, 15, 20, 25, 30))}% off. What is the sale "
+        "price? Explain.",
+        f"Is {r.randrange(101, 999, 2)} a prime number? Check step by step.",
+        f"A recipe for {r.randint(2, 6)} people needs {b} grams of flour. How much flour is "
+        f"needed for {r.randint(7, 15)} people? Reason carefully.",
+    )
+    return r.choice(forms)
+
+
+def _generated(n: int, seed: int = 1234) -> list[str]:
+    """n distinct prompts, chat / reasoning / code in turn (each kind has room for > n/3)."""
+    r = random.Random(seed)
+    makers = (
+        lambda: r.choice(_CHAT_FORMS).format(r.choice(_SUBJECTS)),
+        lambda: _reasoning(r),
+        lambda: (
+            f"Write a {r.choice(_LANGS)} function that {r.choice(_TASKS)}."
+            + r.choice(("", " Add comments."))
+        ),
+    )
+    seen = set(HAND_WRITTEN)
+    out: list[str] = []
+    while len(out) < n:
+        text = makers[len(out) % 3]()
+        if text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out
+
+
+ALL = HAND_WRITTEN + _generated(264)  # 288 distinct prompts
 
 
 def chat_messages(i: int) -> list[dict[str, str]]:
-    """The i-th prompt (cycling) as a one-turn chat."""
+    """The i-th prompt (cycling after 288; all distinct before) as a one-turn chat."""
     return [{"role": "user", "content": ALL[i % len(ALL)]}]

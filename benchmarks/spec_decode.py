@@ -1,7 +1,8 @@
 """Speculative decoding speed: plain vs n-gram vs drafter vs adaptive, side by side.
 
-Same chat/reasoning/code prompts (benchmarks/prompts.py, not the warm-up prompts), same number
-of new tokens (EOS ignored), at each batch size, every configuration measured in turn within
+Chat/reasoning/code prompts (benchmarks/prompts.py, not the warm-up prompts; each sequence of
+a run its own, each configuration the same ones), same number of new tokens (EOS ignored), at
+each batch size, every configuration measured in turn within
 one run (interleaved over repeats, median taken) and reported as ratios to plain decoding.
 ``ngram`` and ``drafter`` speculate at every batch size (to show where speculation stops
 paying); ``adaptive`` is what the server does by default (``--speculative auto``): speculate
@@ -102,10 +103,14 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, float]]] = {name: {} for name in specs}
     total = len(batches) * args.repeats * len(specs)
     bar = tqdm(total=total, desc="spec_decode")
+    first = 1  # prompt 0 warmed up; every later sequence gets a prompt of its own
     for bs in batches:
-        prompts = [tok.apply_chat_template(chat_messages(i)) for i in range(bs)]
         runs: dict[str, list[Run]] = {name: [] for name in specs}
         for _ in range(args.repeats):
+            # Fresh prompts per repeat: at T=0 a repeated prompt would let the n-gram proposer
+            # copy its earlier output from the engine's index of completed outputs.
+            prompts = [tok.apply_chat_template(chat_messages(first + i)) for i in range(bs)]
+            first += bs
             for name, llm in llms.items():
                 bar.set_postfix(bs=bs, config=name)
                 runs[name].append(run(llm, prompts, params))
