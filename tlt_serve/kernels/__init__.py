@@ -28,18 +28,18 @@ def bf16_matvec() -> MatVec | None:
         return None
     try:
         log.info("building the bf16 matrix-vector kernel (first use on this machine, ~40 s)")
-        module = _build(openmp=True)
+        matvec = _build(openmp=True)
     except Exception as err:
         log.warning("bf16 kernel without OpenMP (single-threaded): %s", err)
         try:
-            module = _build(openmp=False)
+            matvec = _build(openmp=False)
         except Exception as err2:  # any build problem: fall back to torch's kernels, loudly
             log.warning("bf16 matrix-vector kernel unavailable, using torch's: %s", err2)
             return None
-    return module.gemv_bf16  # type: ignore[no-any-return]
+    return matvec
 
 
-def _build(openmp: bool) -> object:
+def _build(openmp: bool) -> MatVec:
     """Compile (or load the cached build of) the kernel.
 
     ``at::parallel_for`` in an extension splits work over torch's threads only when the
@@ -51,10 +51,11 @@ def _build(openmp: bool) -> object:
     from torch.utils.cpp_extension import load
 
     omp = ["-fopenmp"] if openmp else []
-    return load(
+    module = load(
         name="tlt_serve_bf16_gemv" + ("_omp" if openmp else ""),
         sources=[str(Path(__file__).with_name("bf16_gemv.cpp"))],
         extra_cflags=["-O3", "-mavx2", "-mfma", *omp],
         extra_ldflags=omp,
         verbose=False,
     )
+    return module.gemv_bf16  # type: ignore[no-any-return]
