@@ -167,6 +167,29 @@ def test_bf16_kernel_rows_match_and_do_not_depend_on_threads(rows: int) -> None:
         torch.set_num_threads(threads)
 
 
+def test_bf16_rms_norm_kernel_is_hf_order() -> None:
+    """HF's RMSNorm: normalise in fp32, round to bf16, times the weight, round; bit for bit
+    at the row counts of decode and verify steps, within one bf16 ulp for long rows."""
+    from tlt_serve.kernels import bf16_rms_norm
+
+    norm = bf16_rms_norm()
+    if norm is None:
+        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    g = torch.Generator().manual_seed(0)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).bfloat16()
+    for rows in (1, 5, 3 * 7):
+        x = (3 * torch.randn(rows, 576, generator=g)).bfloat16()
+        xf = x.float()
+        hf = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+        y = norm(x, w, 1e-5)
+        assert y.dtype == torch.bfloat16 and y.shape == x.shape
+        torch.testing.assert_close(y, hf, atol=0, rtol=2**-7)
+        if rows <= 5:
+            assert torch.equal(y, hf)
+    with pytest.raises(RuntimeError, match="features"):
+        norm(torch.zeros(2, 8, dtype=torch.bfloat16), w, 1e-5)
+
+
 @torch.inference_mode()  # as the engine runs: the kernel is only used without autograd
 def test_bf16_model_with_kernels_tracks_fp32(tiny_model_dir) -> None:
     fp32 = build_model(tiny_model_dir, torch.float32, 64)

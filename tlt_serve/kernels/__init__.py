@@ -1,7 +1,8 @@
 """Optional CPU kernels, compiled on first use with the machine's C++ compiler.
 
-``bf16_matvec()`` returns the AVX2 bf16 matrix-vector product from ``bf16_gemv.cpp`` or None
-when it cannot be had (no AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``);
+``bf16_matvec()`` returns the AVX2 bf16 matrix-vector product from ``bf16_gemv.cpp`` and
+``bf16_rms_norm()`` its RMSNorm, or None when they cannot be had (no AVX2/FMA, no compiler,
+build failure, or ``TLT_SERVE_NO_KERNELS=1``);
 callers then use torch's own kernels, so nothing depends on it for correctness. The build
 (~40 s) is cached by torch in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
 """
@@ -13,33 +14,46 @@ import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger("tlt_serve.kernels")
 MatVec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @cache  # one build per process; the compiled module is process-wide by nature
-def bf16_matvec() -> MatVec | None:
+def _module() -> Any:
     if os.environ.get("TLT_SERVE_NO_KERNELS") == "1":
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     try:
-        log.info("building the bf16 matrix-vector kernel (first use on this machine, ~40 s)")
-        matvec = _build(openmp=True)
+        log.info("building the bf16 CPU kernels (first use on this machine, ~40 s)")
+        return _build(openmp=True)
     except Exception as err:
-        log.warning("bf16 kernel without OpenMP (single-threaded): %s", err)
+        log.warning("bf16 kernels without OpenMP (single-threaded): %s", err)
         try:
-            matvec = _build(openmp=False)
+            return _build(openmp=False)
         except Exception as err2:  # any build problem: fall back to torch's kernels, loudly
-            log.warning("bf16 matrix-vector kernel unavailable, using torch's: %s", err2)
+            log.warning("bf16 kernels unavailable, using torch's: %s", err2)
             return None
-    return matvec
 
 
-def _build(openmp: bool) -> MatVec:
+def bf16_matvec() -> MatVec | None:
+    """bf16 weight [N, K] × fp32 rows [M, K] → fp32 [M, N] (see ``bf16_gemv.cpp``)."""
+    module = _module()
+    return None if module is None else module.gemv_bf16  # type: ignore[no-any-return]
+
+
+def bf16_rms_norm() -> NormKernel | None:
+    """RMSNorm of bf16 rows with a bf16 weight, HF's rounding order (see ``bf16_gemv.cpp``)."""
+    module = _module()
+    return None if module is None else module.rms_norm_bf16  # type: ignore[no-any-return]
+
+
+def _build(openmp: bool) -> Any:
     """Compile (or load the cached build of) the kernel.
 
     ``at::parallel_for`` in an extension splits work over torch's threads only when the
@@ -51,11 +65,10 @@ def _build(openmp: bool) -> MatVec:
     from torch.utils.cpp_extension import load
 
     omp = ["-fopenmp"] if openmp else []
-    module = load(
+    return load(
         name="tlt_serve_bf16_gemv" + ("_omp" if openmp else ""),
         sources=[str(Path(__file__).with_name("bf16_gemv.cpp"))],
         extra_cflags=["-O3", "-mavx2", "-mfma", *omp],
         extra_ldflags=omp,
         verbose=False,
     )
-    return module.gemv_bf16  # type: ignore[no-any-return]

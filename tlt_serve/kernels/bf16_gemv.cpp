@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 static inline __m256 load_bf16x8(const uint16_t* p) {
@@ -133,6 +134,50 @@ torch::Tensor gemv_bf16(const torch::Tensor& weight, const torch::Tensor& x) {
   return y;
 }
 
+
+static inline uint16_t f32_to_bf16(float f) {
+  // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays NaN.
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// RMSNorm of bf16 rows [R, H] with a bf16 weight [H], in HF's order: normalise in fp32, round
+// to bf16, multiply by the weight, round to bf16. One pass per row instead of the seven ops
+// (casts, pow, mean, rsqrt, two products) torch runs for bf16 input on CPU.
+torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous bf16");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
+              "weight must be a contiguous 1-D bf16 tensor");
+  const int64_t H = weight.size(0);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == H, "x has ", x.size(-1), " features, weight has ", H);
+  auto y = torch::empty_like(x);
+  const int64_t R = x.numel() / H;
+  const auto* xv = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wv = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* row = xv + r * H;
+      float ss = 0.f;
+      for (int64_t h = 0; h < H; ++h) {
+        const float v = bf16_to_f32(row[h]);
+        ss += v * v;
+      }
+      const float scale = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      uint16_t* o = out + r * H;
+      for (int64_t h = 0; h < H; ++h) {
+        const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(row[h]) * scale));
+        o[h] = f32_to_bf16(normed * bf16_to_f32(wv[h]));
+      }
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "bf16 matrix × fp32 rows (AVX2, fp32 accumulation)");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows, fp32 math, HF's rounding order");
 }
