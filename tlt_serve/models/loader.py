@@ -157,8 +157,9 @@ def build_model(
 ) -> LlamaModel:
     """Instantiate the model of an HF directory and load all of its weights.
 
-    bf16 on CPU: batched products run in fp32 where the CPU lacks bf16 GEMM, and single-row
-    products use the own AVX2 kernel when ``cpu_kernels`` and it builds (see ``Linear``).
+    bf16 on CPU: products of up to ``MATVEC_ROWS`` rows and the RMSNorms use the own AVX2
+    kernels when ``cpu_kernels`` and they build; larger products run in fp32 where the CPU
+    lacks bf16 GEMM (see ``Linear``).
     """
     cfg = ArchConfig.from_dir(path)
     with torch.device("meta"):
