@@ -7,9 +7,9 @@ document: every operation, generated valid and invalid requests, phases examples
 Serves the embedded default model (bf16) with separate API and admin keys and a 5 s
 request timeout (which bounds every generation the fuzzer asks for); the fuzzer calls with
 the admin key so each case reaches its handler. ``/init_weights_update_group`` and
-``/update_weights_from_distributed`` are left out: by contract they block the engine until
-rank 0 of a torch.distributed group connects. Counts by status and operation come from the
-HAR log; writes benchmarks/results/fuzz_api.json.
+``/update_weights_from_distributed`` are left out: by contract their replies wait (up to
+``timeout_s``, default 120 s) until rank 0 of a torch.distributed group connects. Counts by
+status and operation come from the HAR log; writes benchmarks/results/fuzz_api.json.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ requests to every operation never get a 5xx and never hang.
 Every case runs with the admin key (so it reaches the handlers, not the key check); after
 each case generation is continued, so a fuzzed ``/pause_generation`` cannot stall the next
 one. Not fuzzed: ``/init_weights_update_group`` and ``/update_weights_from_distributed``,
-which by contract block the engine until rank 0 of a torch.distributed group connects
-(their input checks are tested in test_server_errors/test_server_weights). The server's
+whose replies by contract wait (up to ``timeout_s``, default 120 s) until rank 0 of a
+torch.distributed group connects; serving goes on meanwhile (their input checks are tested
+in test_server_errors/test_server_weights). The server's
 request timeout bounds every generation the fuzzer asks for.
 ``TLT_FUZZ_EXAMPLES`` sets the cases per operation (default 20).
 """

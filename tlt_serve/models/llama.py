@@ -8,20 +8,19 @@ share a KV head are folded into the query-length axis.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tlt_serve.kernels import MatVec, NormKernel
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.batch import ForwardBatch
 from tlt_serve.models.rope import apply_rope, cos_sin_table
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # K, V, each [S, kvH, L+1, D]
-MatVec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 # Up to this many rows (decode and verify batches) the own bf16 kernel multiplies; more rows
 # (prefill) go to the fp32 GEMM (see ``Linear``). Measured here on the default model's
 # projections: the kernel is 3-6x faster at 1-16 rows, 1.3x at 64, even at 128, slower above.
@@ -29,7 +28,8 @@ MATVEC_ROWS = 128
 
 
 class Linear(nn.Linear):
-    """nn.Linear with an optional fp32 copy of its weight for batched (M > 1) products.
+    """nn.Linear with the own bf16 kernel for up to MATVEC_ROWS rows and an optional fp32
+    copy of its weight for larger products.
 
     On CPUs without bf16 matrix units (AVX2 only) torch has no bf16 GEMM: it runs one
     matrix-vector product per row, ~7x slower than fp32 GEMM at M = 64 (measured here). Up to
@@ -207,9 +207,6 @@ class LlamaModel(nn.Module):
         """hidden [N, H] → logits [N, V] in fp32."""
         return self.lm_head(hidden, out_dtype=torch.float32)
 
-    def set_matvec_kernel(self, matvec: MatVec | None) -> None:
-        set_matvec_kernel(self, matvec)
-
     def set_fp32_batch_matmul(self, enabled: bool) -> None:
         set_fp32_copies(self, enabled)
 
@@ -218,22 +215,18 @@ class LlamaModel(nn.Module):
         return self.lm_head.weight_f32 is not None
 
 
-def set_matvec_kernel(module: nn.Module, matvec: MatVec | None) -> None:
-    """Use ``matvec`` (bf16 weight × fp32 rows → fp32) for products of few rows."""
+def set_cpu_kernels(module: nn.Module, matvec: MatVec | None, norm: NormKernel | None) -> None:
+    """Use the own bf16 kernels in ``module``: ``matvec`` (bf16 weight × fp32 rows → fp32) for
+    products of up to MATVEC_ROWS rows, ``norm`` for the RMSNorms; None: torch's."""
     for m in module.modules():
         if isinstance(m, Linear):
             m.matvec = matvec
-
-
-def set_norm_kernel(module: nn.Module, kernel: NormKernel | None) -> None:
-    """Use ``kernel`` (bf16 rows, bf16 weight, eps → bf16) for the RMSNorms of ``module``."""
-    for m in module.modules():
-        if isinstance(m, RMSNorm):
-            m.kernel = kernel
+        elif isinstance(m, RMSNorm):
+            m.kernel = norm
 
 
 def set_fp32_copies(module: nn.Module, enabled: bool) -> None:
-    """Keep fp32 copies of all projection weights for M > 1 products (see ``Linear``).
+    """Keep fp32 copies of all projection weights for large products (see ``Linear``).
 
     Call again after weights change (``refresh_fp32_copies``; the loader does)."""
     for m in module.modules():

@@ -17,7 +17,7 @@ from torch import nn
 
 from tlt_serve.kernels import bf16_matvec, bf16_rms_norm
 from tlt_serve.models.arch import ArchConfig
-from tlt_serve.models.llama import LlamaModel, refresh_fp32_copies, set_norm_kernel
+from tlt_serve.models.llama import LlamaModel, refresh_fp32_copies, set_cpu_kernels
 from tlt_serve.models.rope import cos_sin_table
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -174,8 +174,7 @@ def build_model(
     cpu_bf16 = dtype == torch.bfloat16 and device.startswith("cpu")
     model.set_fp32_batch_matmul(cpu_bf16 and not native_bf16_gemm())
     if cpu_bf16 and cpu_kernels:
-        model.set_matvec_kernel(bf16_matvec())
-        set_norm_kernel(model, bf16_rms_norm())
+        set_cpu_kernels(model, bf16_matvec(), bf16_rms_norm())
     return model.eval().requires_grad_(False)
 
 

@@ -31,12 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from tlt_serve.models.arch import ArchConfig
-from tlt_serve.models.llama import (
-    LlamaModel,
-    set_fp32_copies,
-    set_matvec_kernel,
-    set_norm_kernel,
-)
+from tlt_serve.models.llama import LlamaModel, set_cpu_kernels, set_fp32_copies
 from tlt_serve.models.loader import (
     ParamSlot,
     WeightError,
@@ -132,8 +127,7 @@ def load_drafter(path: str | Path, target: LlamaModel) -> DrafterModel:
     except WeightError as err:
         raise DrafterError(f"drafter: {err}") from err
     set_fp32_copies(model, target.fp32_batch_matmul)
-    set_matvec_kernel(model, target.lm_head.matvec)
-    set_norm_kernel(model, target.norm.kernel)
+    set_cpu_kernels(model, target.lm_head.matvec, target.norm.kernel)
     model.refresh_head()
     return model.eval().requires_grad_(False)
 
