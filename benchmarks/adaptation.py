@@ -4,9 +4,10 @@ Target versions v0..v{K-1} really drift (``benchmarks/drift.py``: the default mo
 fine-tuned stage after stage on the arithmetic task, each stage in a new answer style).
 One real server (``--train-drafter``, speculating with a drafter at every batch size) serves
 them in order, as an RL run would: for each version ``--phases`` rollout phases (``--prompts``
-fresh task prompts, greedy, all at once); between phases an idle gap in which the co-located
-trainer trains (until it has done ``--gap-steps`` optimizer steps, as an RL training step
-would give it); a new version arrives by ``/update_weights_from_disk``.
+fresh task prompts, greedy, all at once); between phases an idle gap of ``--gap-seconds`` (the
+RL policy update; ``benchmarks/grpo_step.py`` measures one on this machine) in which the
+co-located trainer trains as much as it can; a new version arrives by
+``/update_weights_from_disk``.
 
 Accept length per phase, three drafters, on the phase's own served sequences:
   (a) static: the warm-up drafter, never updated;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +60,7 @@ class Args:
     phases: int
     prompts: int
     max_new: int
-    gap_steps: int
-    gap_timeout: float
+    gap_seconds: float
     ref_prompts: int
     ref_steps: int
     spec_max_batch: int
@@ -115,16 +116,12 @@ async def trainer_step(http: httpx.AsyncClient) -> tuple[int, int | None, str]:
     return int(rep.get("step", 0)), info["drafter_version"], str(rep.get("state", "none"))
 
 
-async def idle_gap(http: httpx.AsyncClient, steps: int, timeout: float) -> dict:
-    """Stay idle until the trainer has done ``steps`` more optimizer steps (or timeout)."""
+async def idle_gap(http: httpx.AsyncClient, seconds: float) -> dict:
+    """Stay idle for ``seconds`` (the policy update), then report what the trainer did."""
     t0 = time.monotonic()
     start, _, _ = await trainer_step(http)
-    step, version, state = start, None, ""
-    while time.monotonic() - t0 < timeout:
-        step, version, state = await trainer_step(http)
-        if step >= start + steps and state != "evaluating":
-            break
-        await asyncio.sleep(1.0)
+    await asyncio.sleep(seconds)
+    step, version, state = await trainer_step(http)
     return {"seconds": round(time.monotonic() - t0, 1), "trainer_steps": step - start,
             "drafter_version": version, "trainer_state": state}
 
@@ -161,7 +158,7 @@ async def adaptive(a: Args, dirs: list[Path], url: str) -> list[dict]:
                                                                        strict=True)) / len(outs),
                     "online_accept": accepted / max(verify, 1), "verify_steps": verify,
                     "drafter_versions": versions,
-                    "gap": await idle_gap(http, a.gap_steps, a.gap_timeout),
+                    "gap": await idle_gap(http, a.gap_seconds),
                 })
                 bar.update(1)
                 p = phases[-1]
@@ -173,6 +170,7 @@ async def adaptive(a: Args, dirs: list[Path], url: str) -> list[dict]:
 
 def run_adaptive(a: Args, dirs: list[Path]) -> list[dict]:
     state = a.work / "trainer"
+    shutil.rmtree(state, ignore_errors=True)  # a fresh trainer (it would resume a checkpoint)
     server = ["--model", str(dirs[0]), "--dtype", "bfloat16", "--max-model-len", "1024",
               "--max-num-seqs", str(a.prompts), "--spec-max-batch", str(a.spec_max_batch),
               "--speculative", "drafter", "--drafter", str(a.drafter),
@@ -259,10 +257,12 @@ def main() -> None:
                     choices=["all", "reference", "adaptive", "report", "plot"])
     ap.add_argument("--versions", type=int, default=4)
     ap.add_argument("--phases", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=96, help="sequences per rollout phase")
     ap.add_argument("--max-new", type=int, default=96)
-    ap.add_argument("--gap-steps", type=int, default=60)
-    ap.add_argument("--gap-timeout", type=float, default=900)
+    ap.add_argument("--gap-seconds", type=float, default=100.0,
+                    help="idle gap after each phase, the RL policy update: one GRPO update of "
+                         "96 sequences x 50 tokens took 107-109 s here "
+                         "(python -m benchmarks.grpo_step --seqs 96 --tokens 50)")
     ap.add_argument("--ref-prompts", type=int, default=96)
     ap.add_argument("--ref-steps", type=int, default=200)
     ap.add_argument("--spec-max-batch", type=int, default=8,
@@ -270,7 +270,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/adaptation.json")
     n = ap.parse_args()
     a = Args(Path(n.drafter).expanduser(), Path(n.work).expanduser(), n.versions, n.phases,
-             n.prompts, n.max_new, n.gap_steps, n.gap_timeout, n.ref_prompts, n.ref_steps,
+             n.prompts, n.max_new, n.gap_seconds, n.ref_prompts, n.ref_steps,
              n.spec_max_batch, Path(n.out))
     a.work.mkdir(parents=True, exist_ok=True)
     dirs = version_dirs(DriftConfig(versions=a.versions))

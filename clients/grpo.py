@@ -105,6 +105,37 @@ def policy_loss(
 RewardFn = Callable[[Problem, str], float]
 
 
+def policy_update(
+    policy: Any, opt: torch.optim.Optimizer, rollouts: Sequence[Rollout], micro_batch: int,
+    clip: float,
+) -> dict[str, float]:
+    """One clipped policy-gradient optimizer step over the rollouts with a non-zero
+    advantage (micro-batches of ``micro_batch`` sequences, gradients accumulated)."""
+    rows = [r for r in rollouts if r.advantage != 0.0 and r.sample.num_tokens > 0]
+    total = sum(r.sample.num_tokens for r in rows)
+    stats = {"ratio_sum": 0.0, "clipped": 0.0, "kl_sum": 0.0}
+    if not rows:
+        return {"trained_sequences": 0}
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt.zero_grad(set_to_none=True)
+    for i in range(0, len(rows), micro_batch):
+        part = rows[i : i + micro_batch]
+        batch = make_batch([r.prompt for r in part], [r.sample.token_ids for r in part],
+                           pad_id=0)
+        new = response_logprobs(policy, batch)  # [N]
+        old = torch.tensor([lp for r in part for lp in r.sample.logprobs or ()])
+        adv = torch.tensor([r.advantage for r in part for _ in range(r.sample.num_tokens)])
+        loss, s = policy_loss(new, old, adv, clip, total)
+        loss.backward()  # type: ignore[no-untyped-call]
+        for k in stats:
+            stats[k] += s[k]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return {"trained_sequences": len(rows), "trained_tokens": total,
+            "ratio_mean": stats["ratio_sum"] / total, "clip_frac": stats["clipped"] / total,
+            "kl_old_new": stats["kl_sum"] / total, "grad_norm": float(grad_norm)}
+
+
 class GrpoLoop:
     def __init__(self, cfg: GrpoConfig, reward_fn: RewardFn = reward) -> None:
         cfg.validate()
@@ -139,29 +170,8 @@ class GrpoLoop:
 
     def train(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
         """One optimizer step over the rollouts that carry signal."""
-        rows = [r for r in rollouts if r.advantage != 0.0 and r.sample.num_tokens > 0]
-        total = sum(r.sample.num_tokens for r in rows)
-        stats = {"ratio_sum": 0.0, "clipped": 0.0, "kl_sum": 0.0}
-        if not rows:
-            return {"trained_sequences": 0}
-        self.opt.zero_grad(set_to_none=True)
-        mb = self.cfg.micro_batch
-        for i in range(0, len(rows), mb):
-            part = rows[i : i + mb]
-            batch = make_batch([r.prompt for r in part], [r.sample.token_ids for r in part],
-                               pad_id=0)
-            new = response_logprobs(self.policy, batch)  # [N]
-            old = torch.tensor([lp for r in part for lp in r.sample.logprobs or ()])
-            adv = torch.tensor([r.advantage for r in part for _ in range(r.sample.num_tokens)])
-            loss, s = policy_loss(new, old, adv, self.cfg.clip, total)
-            loss.backward()  # type: ignore[no-untyped-call]
-            for k in stats:
-                stats[k] += s[k]
-        grad_norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), 1.0)
-        self.opt.step()
-        return {"trained_sequences": len(rows), "trained_tokens": total,
-                "ratio_mean": stats["ratio_sum"] / total, "clip_frac": stats["clipped"] / total,
-                "kl_old_new": stats["kl_sum"] / total, "grad_norm": float(grad_norm)}
+        return policy_update(self.policy, self.opt, rollouts, self.cfg.micro_batch,
+                             self.cfg.clip)
 
     def push(self, version: str) -> None:
         """Send the trained tensors (HF names, the server's dtype) as ``version``."""

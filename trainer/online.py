@@ -62,7 +62,12 @@ class OnlineConfig:
     draft_vocab_size: int = 8192  # for a fresh drafter (a given one keeps its own)
     pull_every_s: float = 2.0
     pull_max_bytes: int = 16 << 20
-    eval_every: int = 50  # optimizer steps between promotion checks
+    # Optimizer steps between promotion checks. A candidate is published only at a check, and
+    # training runs in gaps of ~40-300 steps here (an RL policy update): at 50, what a gap
+    # learnt waited for the next gap. 20 vs 50, replaying the adaptation benchmark's phases
+    # (60-step gaps): accept at the second phase after each update, over the reference's,
+    # mean 0.68 → 0.72; each check costs ~1 s here.
+    eval_every: int = 20
     eval_rows: int = 16  # held-out rows scored per check (row_len pairs each)
     eval_depth: int = 4
     min_gain: float = 0.01  # accept length a candidate must gain to be published
