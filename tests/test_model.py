@@ -167,6 +167,23 @@ def test_bf16_kernel_rows_match_and_do_not_depend_on_threads(rows: int) -> None:
         torch.set_num_threads(threads)
 
 
+def test_bf16_matvec_kernel_takes_and_returns_bf16_exactly() -> None:
+    """bf16 rows in and a bf16 result out give the same bits as casting around the call."""
+    from tlt_serve.kernels import bf16_matvec
+
+    matvec = bf16_matvec()
+    if matvec is None:
+        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 576, generator=g).bfloat16()
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        ref = matvec(w, x.float(), False)  # [rows, 300] fp32
+        assert torch.equal(matvec(w, x, False), ref)
+        out = matvec(w, x, True)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref.bfloat16())
+
+
 def test_bf16_rms_norm_kernel_is_hf_order() -> None:
     """HF's RMSNorm: normalise in fp32, round to bf16, times the weight, round; bit for bit
     at the row counts of decode and verify steps, within one bf16 ulp for long rows."""
@@ -188,6 +205,62 @@ def test_bf16_rms_norm_kernel_is_hf_order() -> None:
             assert torch.equal(y, hf)
     with pytest.raises(RuntimeError, match="features"):
         norm(torch.zeros(2, 8, dtype=torch.bfloat16), w, 1e-5)
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_decode_attention_kernel_matches_sdpa(G: int) -> None:
+    """One query per row over rows of different lengths (row b sees columns [0, lens[b])),
+    GQA groups of G, a batch that starts past row 0 of the cache; against fp32 SDPA."""
+    from tlt_serve.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    g = torch.Generator().manual_seed(G)
+    S, kvH, L, D, row_lo, B = 6, 2, 300, 64, 1, 4
+    k_cache = torch.randn(S, kvH, L, D, generator=g).bfloat16()
+    v_cache = torch.randn(S, kvH, L, D, generator=g).bfloat16()
+    q = torch.randn(B, kvH, G, D, generator=g).bfloat16()
+    lens = torch.tensor([1, 7, 300, 129])
+    out = kernels.attention(q, k_cache, v_cache, row_lo, lens, D**-0.5)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    for b in range(B):
+        n = int(lens[b])
+        keys = k_cache[row_lo + b, :, :n].float()  # [kvH, n, D]
+        values = v_cache[row_lo + b, :, :n].float()
+        ref = torch.nn.functional.scaled_dot_product_attention(q[b].float(), keys, values)
+        torch.testing.assert_close(out[b].float(), ref, atol=1e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="lens out of range"):
+        kernels.attention(q, k_cache, v_cache, row_lo, torch.tensor([1, 2, 0, 3]), 1.0)
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        kernels.attention(q, k_cache, v_cache, 3, lens, 1.0)
+
+
+@torch.inference_mode()
+def test_decode_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> None:
+    """A bf16 decode batch of rows with different lengths: logits with the kernel equal those
+    of torch's masked SDPA within bf16 rounding."""
+    from tlt_serve.engine.runner import extend_batch
+    from tlt_serve.models.llama import Attention
+
+    model = build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True)
+    attn = [m for m in model.modules() if isinstance(m, Attention)]
+    if attn[0].decode_kernel is None:
+        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    kv = KVCache(model.cfg, rows=3, max_len=32, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    V = model.cfg.vocab_size
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    batch, ids = extend_batch(kv, 0, [0, 0, 0], prompts)
+    model(ids, batch, kv.layers)
+    batch, ids = extend_batch(kv, 0, [5, 9, 2], [[1], [2], [3]])
+    assert batch.kv_lens is not None and batch.kv_lens.tolist() == [6, 10, 3]
+    logits = []
+    for kernel in (attn[0].decode_kernel, None):
+        for m in attn:
+            m.decode_kernel = kernel
+        logits.append(model.logits(model(ids, batch, kv.layers).hidden[:, 0]))
+    torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.05)
 
 
 @torch.inference_mode()  # as the engine runs: the kernel is only used without autograd

@@ -149,6 +149,7 @@ def extend_batch(
         index.to(device),
         None if mask is None else mask.to(device),
         kv_len,
+        end.to(device) if Q == 1 and trees is None else None,  # [B] decode: keys [0, end)
     )
     return fb, ids.to(device)
 

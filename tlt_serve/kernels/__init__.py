@@ -1,9 +1,9 @@
 """Optional CPU kernels, compiled on first use with the machine's C++ compiler.
 
-``bf16_matvec()`` returns the AVX2 bf16 matrix-vector product from ``bf16_gemv.cpp`` and
-``bf16_rms_norm()`` its RMSNorm, or None when they cannot be had (no AVX2/FMA, no compiler,
-build failure, or ``TLT_SERVE_NO_KERNELS=1``);
-callers then use torch's own kernels, so nothing depends on it for correctness. The build
+``cpu_kernels()`` returns the kernels of ``bf16_gemv.cpp`` (AVX2): the bf16 matrix × rows
+product, the RMSNorm, the one-query (decode) attention; or None when they cannot be had (no
+AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``); callers then use
+torch's own kernels, so nothing depends on them for correctness. The build
 (~40 s) is cached by torch in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,22 @@ from typing import Any
 import torch
 
 log = logging.getLogger("tlt_serve.kernels")
-MatVec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (weight [N, K] bf16, x [M, K] fp32 or bf16, out_bf16) → [M, N] fp32 (bf16 if out_bf16)
+MatVec = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (q [B, kvH, G, D], k_cache, v_cache [S, kvH, L, D], row_lo, lens [B], scale) → [B, kvH, G, D]
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, float], torch.Tensor
+]
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The own bf16 kernels a model uses for serving (never under autograd)."""
+
+    matvec: MatVec  # bf16 weight [N, K] × rows [M, K] → [M, N], fp32 accumulation
+    norm: NormKernel  # RMSNorm of bf16 rows, HF's rounding order
+    attention: DecodeAttention  # one query token per row over its cached keys
 
 
 @cache  # one build per process; the compiled module is process-wide by nature
@@ -41,8 +56,15 @@ def _module() -> Any:
             return None
 
 
+def cpu_kernels() -> CpuKernels | None:
+    module = _module()
+    if module is None:
+        return None
+    return CpuKernels(module.gemv_bf16, module.rms_norm_bf16, module.decode_attention_bf16)
+
+
 def bf16_matvec() -> MatVec | None:
-    """bf16 weight [N, K] × fp32 rows [M, K] → fp32 [M, N] (see ``bf16_gemv.cpp``)."""
+    """bf16 weight [N, K] × rows [M, K] → [M, N] (see ``bf16_gemv.cpp`` and ``MatVec``)."""
     module = _module()
     return None if module is None else module.gemv_bf16  # type: ignore[no-any-return]
 

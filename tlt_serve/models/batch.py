@@ -25,6 +25,9 @@ class ForwardBatch:
       ``kv_len`` columns (a decode batch whose sequences have equal length, e.g. batch 1),
       which lets attention skip the mask.
     - ``kv_len``: key columns ``[0, Kv)`` attention reads.
+    - ``kv_lens`` [B] long or None: set for a decode batch (one query per row, plain causal
+      attention): row b's query sees exactly key columns ``[0, kv_lens[b])``, what the decode
+      attention kernel reads instead of the mask.
     """
 
     row_lo: int
@@ -32,6 +35,7 @@ class ForwardBatch:
     write_index: torch.Tensor
     mask: torch.Tensor | None
     kv_len: int
+    kv_lens: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

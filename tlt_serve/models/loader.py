@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tlt_serve.kernels import bf16_matvec, bf16_rms_norm
+from tlt_serve.kernels import cpu_kernels as own_kernels
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.llama import LlamaModel, refresh_fp32_copies, set_cpu_kernels
 from tlt_serve.models.rope import cos_sin_table
@@ -157,9 +157,9 @@ def build_model(
 ) -> LlamaModel:
     """Instantiate the model of an HF directory and load all of its weights.
 
-    bf16 on CPU: products of up to ``MATVEC_ROWS`` rows and the RMSNorms use the own AVX2
-    kernels when ``cpu_kernels`` and they build; larger products run in fp32 where the CPU
-    lacks bf16 GEMM (see ``Linear``).
+    bf16 on CPU: products of up to ``MATVEC_ROWS`` rows, the RMSNorms and decode attention
+    use the own AVX2 kernels when ``cpu_kernels`` and they build; larger products run in fp32
+    where the CPU lacks bf16 GEMM (see ``Linear``).
     """
     cfg = ArchConfig.from_dir(path)
     with torch.device("meta"):
@@ -174,7 +174,7 @@ def build_model(
     cpu_bf16 = dtype == torch.bfloat16 and device.startswith("cpu")
     model.set_fp32_batch_matmul(cpu_bf16 and not native_bf16_gemm())
     if cpu_bf16 and cpu_kernels:
-        set_cpu_kernels(model, bf16_matvec(), bf16_rms_norm())
+        set_cpu_kernels(model, own_kernels())
     return model.eval().requires_grad_(False)
 
 

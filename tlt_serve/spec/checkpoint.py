@@ -127,7 +127,7 @@ def load_drafter(path: str | Path, target: LlamaModel) -> DrafterModel:
     except WeightError as err:
         raise DrafterError(f"drafter: {err}") from err
     set_fp32_copies(model, target.fp32_batch_matmul)
-    set_cpu_kernels(model, target.lm_head.matvec, target.norm.kernel)
+    set_cpu_kernels(model, target.kernels)
     model.refresh_head()
     return model.eval().requires_grad_(False)
 

@@ -1,0 +1,131 @@
+"""What each own CPU kernel buys a decoding engine: all on vs each switched off in turn.
+
+One bf16 engine on the default model; between rounds its modules are switched to torch's
+kernel for one of: the bf16 products (``matvec``), the RMSNorms (``norm``), the decode
+attention (``attention``), or none (``all``). Greedy, ``--new-tokens`` per sequence, EOS
+ignored, fresh prompts every round, configurations interleaved, median tokens/s per batch
+size; every configuration's tokens are compared with ``all``'s (bf16 rounding differs between
+kernels, so a few may differ). JSON + PNG.
+
+    python -m benchmarks.kernel_ab --out benchmarks/results/kernel_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.prompts import chat_messages
+from tlt_serve import LLM, SamplingParams
+from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
+from tlt_serve.models.llama import Attention, Linear, RMSNorm
+
+CONFIGS = ("all", "matvec", "norm", "attention")  # "x": everything but x
+
+
+def switch(model: torch.nn.Module, off: str) -> None:
+    """Own kernels everywhere except ``off`` ("all": none off)."""
+    kernels = model.kernels  # type: ignore[attr-defined]
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.matvec = None if off == "matvec" else kernels.matvec
+        elif isinstance(m, RMSNorm):
+            m.kernel = None if off == "norm" else kernels.norm
+        elif isinstance(m, Attention):
+            m.decode_kernel = None if off == "attention" else kernels.attention
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/kernel_ab.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(config=EngineConfig(
+        model=ModelConfig(model=args.model, dtype="bfloat16", max_model_len=1024),
+        cache=CacheConfig(max_num_seqs=max(batches)),
+    ))
+    model = llm.engine.model
+    if model.kernels is None:
+        raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
+    tok = llm.tokenizer
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([tok.apply_chat_template(chat_messages(0))], SamplingParams(max_new_tokens=8))
+    results: dict[str, dict[str, dict[str, float]]] = {c: {} for c in CONFIGS}
+    bar = tqdm(total=len(batches) * args.rounds * len(CONFIGS), desc="kernel_ab")
+    first = 1
+    for bs in batches:
+        tps: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        same: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        for _ in range(args.rounds):
+            prompts = [tok.apply_chat_template(chat_messages(first + i)) for i in range(bs)]
+            first += bs
+            ref: list[tuple[int, ...]] = []
+            for c in CONFIGS:
+                switch(model, "" if c == "all" else c)
+                bar.set_postfix(bs=bs, off=c)
+                t0 = time.perf_counter()
+                res = llm.generate(prompts, params)
+                dt = time.perf_counter() - t0
+                toks = [tuple(r.samples[0].token_ids) for r in res]
+                ref = ref or toks
+                tps[c].append(sum(map(len, toks)) / dt)
+                same[c].append(sum(a == b for a, b in zip(toks, ref, strict=True)) / bs)
+                bar.update()
+        base = statistics.median(tps["all"])
+        for c in CONFIGS:
+            med = statistics.median(tps[c])
+            results[c][str(bs)] = {"tokens_per_s": round(med, 2), "vs_all": round(med / base, 3),
+                                   "same_tokens_as_all": round(statistics.mean(same[c]), 3)}
+    bar.close()
+    switch(model, "")
+    report = {"model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
+              "threads": args.threads, "machine": platform.processor() or platform.machine(),
+              "configs": {"all": "every own kernel", **{c: f"torch's {c} instead"
+                                                        for c in CONFIGS[1:]}},
+              "results": results}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    for c in CONFIGS:
+        print(c.ljust(10), "  ".join(f"bs{b} {v['tokens_per_s']:6.1f} tok/s (x{v['vs_all']:.2f})"
+                                     for b, v in results[c].items()))
+    plot(results, batches, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def plot(results: dict, batches: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(CONFIGS)
+    for i, c in enumerate(CONFIGS):
+        xs = [j + i * width for j in range(len(batches))]
+        label = "all own kernels" if c == "all" else f"torch's {c}"
+        ax.bar(xs, [results[c][str(b)]["tokens_per_s"] for b in batches], width, label=label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))],
+                  [f"batch {b}" for b in batches])
+    ax.set_ylabel("decode tokens/s (bf16, greedy)")
+    ax.set_title("Each own CPU kernel switched off in turn")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
