@@ -159,9 +159,16 @@ def test_server_supervises_the_trainer_through_sigkill(
             long = {"max_new_tokens": 200, "temperature": 0, "n": 4, "ignore_eos": True}
             busy = threading.Thread(target=http.post, args=("/generate",),
                                     kwargs={"json": {"text": PROMPTS[0], "sampling_params": long}})
+            # Generation paused in place first: the request stays in flight until continued,
+            # so the checks cannot race its end (a fast machine finishes it in a blink).
+            admin = {"Authorization": "Bearer admin-key"}
+            assert http.post("/pause_generation", json={"mode": "in_place"},
+                             headers=admin).status_code == 200
             busy.start()
             wait_for(lambda: training()["suspended"], timeout=30, interval=0.01)
-            assert proc_state(first["pid"]) == "T"
+            wait_for(lambda: proc_state(first["pid"]) == "T", timeout=5, interval=0.01)
+            assert busy.is_alive()
+            assert http.post("/continue_generation", headers=admin).status_code == 200
             busy.join()
             wait_for(lambda: not training()["suspended"], timeout=30)
             assert proc_state(first["pid"]) != "T"
