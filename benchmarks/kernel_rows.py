@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from tlt_serve.kernels import bf16_matvec
+from tlt_serve.kernels import cpu_kernels
 
 
 def shapes(hidden: int, inter: int, kv: int, vocab: int) -> list[tuple[int, int]]:
@@ -43,9 +43,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/kernel_rows.json")
     args = ap.parse_args()
-    matvec = bf16_matvec()
-    if matvec is None:
+    kernels = cpu_kernels()
+    if kernels is None:
         raise SystemExit("the own kernel is not available here (no AVX2 or no compiler)")
+    matvec = kernels.matvec
     g = torch.Generator().manual_seed(0)
     layer = shapes(args.hidden, args.intermediate, args.kv_dim, args.vocab)
     head = (args.vocab, args.hidden)
@@ -64,8 +65,8 @@ def main() -> None:
         return run
 
     impls: dict[str, Callable[[int, torch.Tensor], torch.Tensor]] = {
-        "kernel": lambda i, x: matvec(weights[i], x),
-        "kernel_1_thread": lambda i, x: matvec(weights[i], x),
+        "kernel": lambda i, x: matvec(weights[i], x, False),
+        "kernel_1_thread": lambda i, x: matvec(weights[i], x, False),
         "torch_bf16": lambda i, x: F.linear(x.bfloat16(), weights[i]),
         "torch_fp32_copy": lambda i, x: F.linear(x, w32[i]),
     }

@@ -7,8 +7,17 @@ import torch
 import transformers
 
 from tlt_serve.engine.kv_cache import KVCache
+from tlt_serve.kernels import CpuKernels, cpu_kernels
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
 from tlt_serve.models.loader import WeightError, build_model, iter_safetensors, load_weights
+
+
+def own_kernels() -> CpuKernels:
+    """The own CPU kernels, or skip: they are optional (no AVX2 CPU or no compiler)."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no AVX2 CPU or no compiler: the kernels are optional")
+    return kernels
 
 
 def fb(kv: KVCache, pos: torch.Tensor, mask: torch.Tensor) -> ForwardBatch:
@@ -126,11 +135,7 @@ def test_fp32_batch_copies_track_weight_updates(tiny_model_dir, tiny_model_facto
 
 
 def test_bf16_matvec_kernel_matches_fp32_product() -> None:
-    from tlt_serve.kernels import bf16_matvec
-
-    matvec = bf16_matvec()
-    if matvec is None:
-        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    matvec = own_kernels().matvec
     g = torch.Generator().manual_seed(0)
     for n, k in [(1, 8), (7, 13), (3072, 576), (576, 1536)]:  # odd sizes hit the scalar tail
         w = torch.randn(n, k, generator=g).bfloat16()
@@ -146,11 +151,7 @@ def test_bf16_kernel_rows_match_and_do_not_depend_on_threads(rows: int) -> None:
     """Each 8-row chunk size (1..8) alone and after full chunks, K with and without the 8- and
     16-wide remainders, N across tiles; each output is summed by one thread, so the split over
     threads changes no bit."""
-    from tlt_serve.kernels import bf16_matvec
-
-    matvec = bf16_matvec()
-    if matvec is None:
-        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    matvec = own_kernels().matvec
     g = torch.Generator().manual_seed(rows)
     threads = torch.get_num_threads()
     try:
@@ -169,11 +170,7 @@ def test_bf16_kernel_rows_match_and_do_not_depend_on_threads(rows: int) -> None:
 
 def test_bf16_matvec_kernel_takes_and_returns_bf16_exactly() -> None:
     """bf16 rows in and a bf16 result out give the same bits as casting around the call."""
-    from tlt_serve.kernels import bf16_matvec
-
-    matvec = bf16_matvec()
-    if matvec is None:
-        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    matvec = own_kernels().matvec
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 576, generator=g).bfloat16()
     for rows in (1, 5, 16):
@@ -187,11 +184,7 @@ def test_bf16_matvec_kernel_takes_and_returns_bf16_exactly() -> None:
 def test_bf16_rms_norm_kernel_is_hf_order() -> None:
     """HF's RMSNorm: normalise in fp32, round to bf16, times the weight, round; bit for bit
     at the row counts of decode and verify steps, within one bf16 ulp for long rows."""
-    from tlt_serve.kernels import bf16_rms_norm
-
-    norm = bf16_rms_norm()
-    if norm is None:
-        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    norm = own_kernels().norm
     g = torch.Generator().manual_seed(0)
     w = (1 + 0.1 * torch.randn(576, generator=g)).bfloat16()
     for rows in (1, 5, 21):
@@ -211,11 +204,7 @@ def test_bf16_rms_norm_kernel_is_hf_order() -> None:
 def test_decode_attention_kernel_matches_sdpa(G: int) -> None:
     """One query per row over rows of different lengths (row b sees columns [0, lens[b])),
     GQA groups of G, a batch that starts past row 0 of the cache; against fp32 SDPA."""
-    from tlt_serve.kernels import cpu_kernels
-
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    kernels = own_kernels()
     g = torch.Generator().manual_seed(G)
     S, kvH, L, D, row_lo, B = 6, 2, 300, 64, 1, 4
     k_cache = torch.randn(S, kvH, L, D, generator=g).bfloat16()
@@ -255,11 +244,18 @@ def test_decode_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> No
     model(ids, batch, kv.layers)
     batch, ids = extend_batch(kv, 0, [5, 9, 2], [[1], [2], [3]])
     assert batch.kv_lens is not None and batch.kv_lens.tolist() == [6, 10, 3]
+    kernel, calls = attn[0].decode_kernel, []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args)  # type: ignore[arg-type]
+
     logits = []
-    for kernel in (attn[0].decode_kernel, None):
+    for k in (counted, None):
         for m in attn:
-            m.decode_kernel = kernel
+            m.decode_kernel = k
         logits.append(model.logits(model(ids, batch, kv.layers).hidden[:, 0]))
+    assert len(calls) == len(attn)  # every layer's decode attention ran in the kernel
     torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.05)
 
 

@@ -63,10 +63,10 @@ class OnlineConfig:
     pull_every_s: float = 2.0
     pull_max_bytes: int = 16 << 20
     # Optimizer steps between promotion checks. A candidate is published only at a check, and
-    # training runs in gaps of ~40-300 steps here (an RL policy update): at 50, what a gap
-    # learnt waited for the next gap. 20 vs 50, replaying the adaptation benchmark's phases
-    # (60-step gaps): accept at the second phase after each update, over the reference's,
-    # mean 0.68 → 0.72; each check costs ~1 s here.
+    # training runs in gaps (an RL policy update: 160-190 steps in the adaptation benchmark's
+    # 100 s gaps): at 50, what a gap learnt often waited for the next gap. 20 vs 50, replaying
+    # that benchmark's phases with 60-step gaps: accept at the second phase after each update,
+    # over the reference's, mean 0.68 → 0.72, for ~3.5 s a check (4.9 vs 4.0 min, 480 steps).
     eval_every: int = 20
     eval_rows: int = 16  # held-out rows scored per check (row_len pairs each)
     eval_depth: int = 4

@@ -57,22 +57,11 @@ def _module() -> Any:
 
 
 def cpu_kernels() -> CpuKernels | None:
+    """The own kernels (see ``CpuKernels`` and ``bf16_gemv.cpp``), or None: use torch's."""
     module = _module()
     if module is None:
         return None
     return CpuKernels(module.gemv_bf16, module.rms_norm_bf16, module.decode_attention_bf16)
-
-
-def bf16_matvec() -> MatVec | None:
-    """bf16 weight [N, K] × rows [M, K] → [M, N] (see ``bf16_gemv.cpp`` and ``MatVec``)."""
-    module = _module()
-    return None if module is None else module.gemv_bf16  # type: ignore[no-any-return]
-
-
-def bf16_rms_norm() -> NormKernel | None:
-    """RMSNorm of bf16 rows with a bf16 weight, HF's rounding order (see ``bf16_gemv.cpp``)."""
-    module = _module()
-    return None if module is None else module.rms_norm_bf16  # type: ignore[no-any-return]
 
 
 def _build(openmp: bool) -> Any:

@@ -276,7 +276,8 @@ static inline void pv_sum(const float* s, const uint16_t* V, int64_t n, int64_t 
 // expanding K/V: q [B, kvH, G, D] bf16 (G query heads share a KV head), caches
 // [S, kvH, L, D] bf16, rows row_lo.. of the batch, row b sees key columns [0, lens[b]).
 // fp32 scores, softmax and weighted sum; output [B, kvH, G, D] rounded to bf16 once.
-// At batch 1 torch's SDPA took ~90 us per layer here for this, mostly fixed overhead.
+// Per layer at 300 cached tokens here: 24 vs 50-75 us for torch's SDPA at batch 1, 238 vs 657
+// us at batch 16.
 torch::Tensor decode_attention_bf16(const torch::Tensor& q_in, const torch::Tensor& k_cache,
                                     const torch::Tensor& v_cache, int64_t row_lo,
                                     const torch::Tensor& lens, double scale) {
@@ -293,15 +294,17 @@ torch::Tensor decode_attention_bf16(const torch::Tensor& q_in, const torch::Tens
   const auto len = lens.to(at::kLong).contiguous();
   TORCH_CHECK(len.numel() == B, "lens must have one entry per row");
   const int64_t* lv = len.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lv[b] >= 1 && lv[b] <= L, "lens out of range");
+  int64_t keys = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lv[b] >= 1 && lv[b] <= L, "lens out of range");
+    keys += lv[b];
+  }
   auto out = torch::empty_like(q);
   const auto* qv = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
   auto* ov = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t work = B * kvH;
-  int64_t keys = 0;
-  for (int64_t b = 0; b < B; ++b) keys += lv[b];
   // Small problems (batch 1, short rows) are cheaper on one thread than waking the pool.
   const int64_t grain = keys * kvH * G * D < (1 << 16) ? work : 1;
   at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {

@@ -134,8 +134,8 @@ class Attention(nn.Module):
                 and q.dtype == k_cache.dtype == torch.bfloat16
                 and not torch.is_grad_enabled()
             ):
-                # Row b attends columns [0, kv_lens[b]): no mask, no view, one call (torch's
-                # SDPA took ~90 us a layer at batch 1 here, mostly fixed overhead).
+                # Row b attends columns [0, kv_lens[b]): no mask, no view, one call (24 vs
+                # 50-75 us for torch's SDPA at batch 1 and 300 cached tokens here).
                 out = self.decode_kernel(
                     q, k_cache, v_cache, batch.row_lo, batch.kv_lens, self.scale
                 )  # [B, kvH, G, D]
