@@ -114,6 +114,33 @@ def test_switching_on_and_off_mid_generation_stays_exact(tiny_model_dir, drafter
         assert any(spec_steps[:first_big]) and any(spec_steps[first_big:])
 
 
+def test_auto_asks_ngram_first_and_never_chooses_it_without_drafts(
+    tiny_model_dir, drafters, monkeypatch
+) -> None:
+    """Under auto the n-gram drafts are looked up before the policy chooses: on steps where it
+    has none, no n-gram arm is chosen; output stays exact."""
+    params = varied_params()
+    plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
+    llm = make_llm(tiny_model_dir, spec_configs(drafters, max_batch=8)["auto"])
+    policy = llm.engine.spec.policy
+    seen = []
+    choose = policy.choose
+
+    def spy(batch_size, idle=()):  # type: ignore[no-untyped-def]
+        arm = choose(batch_size, idle)
+        seen.append((tuple(idle), arm))
+        return arm
+
+    monkeypatch.setattr(policy, "choose", spy)
+    out = llm.generate(PROMPTS, params)
+    assert [o.samples[0].token_ids for o in out] == [r.samples[0].token_ids for r in plain]
+    idle = [arm for ctx, arm in seen if ctx == ("ngram",)]
+    with_drafts = [arm for ctx, arm in seen if ctx == ()]
+    assert idle and with_drafts  # both contexts occur on these prompts
+    assert all(arm.proposer != "ngram" for arm in idle)
+    assert any(arm.proposer == "ngram" for arm in with_drafts)
+
+
 def test_group_samples_and_stop_strings_with_speculation(tiny_model_dir, drafters) -> None:
     base = make_llm(tiny_model_dir)
     text = base.generate([PROMPTS[0]], SamplingParams(max_new_tokens=30, temperature=0.0))

@@ -88,8 +88,10 @@ class SpecDecoder:
         self._strategy = PLAIN
         if batch.is_prefill:
             return None
-        self._strategy = strategy = self.policy.choose(len(batch.forward))
         reqs = batch.forward
+        ngram = self._ngram_first(reqs)
+        idle = ("ngram",) if ngram is not None and not any(ngram) else ()
+        self._strategy = strategy = self.policy.choose(len(reqs), idle)
         if strategy.is_tree:
             drafter = self.proposers[strategy.proposer]
             assert isinstance(drafter, DrafterProposer)  # config allows trees for drafters only
@@ -97,8 +99,19 @@ class SpecDecoder:
             trees = drafter.propose_tree(reqs, strategy.depth, strategy.topk, budgets)
             return Plan(trees, chain=False) if any(t.size for t in trees) else None
         ks = [self._room(r, strategy.depth) for r in reqs]
-        drafts = self.proposers[strategy.proposer].propose(reqs, ks)
+        if strategy.proposer == "ngram" and ngram is not None:  # a prefix of what it drafted
+            drafts = [d[:k] for d, k in zip(ngram, ks, strict=True)]
+        else:
+            drafts = self.proposers[strategy.proposer].propose(reqs, ks)
         return Plan([DraftTree.chain(d) for d in drafts], chain=True) if any(drafts) else None
+
+    def _ngram_first(self, reqs: list[Request]) -> list[list[int]] | None:
+        """Under ``auto``, the n-gram drafts of this step at its deepest arm, asked before the
+        policy chooses (spec/policy.py: without drafts its arms are no candidates)."""
+        depth = max((a.depth for a in self.policy.arms if a.proposer == "ngram"), default=0)
+        if len(self.policy.arms) < 2 or not depth or len(reqs) > self.policy.max_batch:
+            return None
+        return self.proposers["ngram"].propose(reqs, [self._room(r, depth) for r in reqs])
 
     def _room(self, req: Request, n: int) -> int:
         """Draft tokens worth verifying: the step also commits one more token, and the

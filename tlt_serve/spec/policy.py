@@ -3,10 +3,22 @@
 A strategy is (proposer, depth). Under ``--speculative auto``, ``none`` (plain decoding) is one
 of the arms, so the bandit itself learns where speculation stops paying; a fixed method has one
 arm (its proposer at ``num_draft_tokens``) and no learning. Reward = tokens committed per second
-of the step (drafting + verify + acceptance, as the engine measured it). Per bucket the policy
+of the step (drafting + verify + acceptance, as the engine measured it). Per context the policy
 is ε-greedy over the MEDIAN reward of each arm's recent ``window`` steps (robust to the noisy,
 shared CPU); every arm is tried ``min_trials`` times first. Above ``max_batch`` running
 sequences nothing speculates (a hard switch, no exploration cost at large batches).
+
+Proposers that are known to have no drafts this step are ``idle`` and their arms are not
+candidates. The n-gram proposer is free to ask and most steps it has nothing (a sixth of the
+steps at batch 1 on the benchmark's chat prompts): an n-gram arm chosen then would run a plain
+step, its median reward would be a plain step's, and the steps where it does draft would never
+decide anything. Asked first (``SpecDecoder``), its arms are chosen only when it drafts and are
+measured only on those steps; the other arms' speeds do not depend on it and are shared.
+
+Exploration decays per bucket, ε = max(ε_min, ε · decay / (decay + steps)): it is needed while
+the medians are young and is a tax afterwards (an explored arm that loses costs up to 2x a plain
+step here); ε_min keeps re-measuring arms whose speed drifts (drafter swaps also ``forget``).
+An explored step takes the candidate tried least recently, so every arm stays fresh.
 
 Done better than TLT's fastrl bandit: the plain-decoding arm is learned, not assumed off below a
 threshold; untried arms are explored before exploiting; the random stream is seeded.
@@ -18,7 +30,8 @@ import bisect
 import random
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 # Upper bounds of batch-size buckets: 1, 2-4, 5-8, 9-16, 17-32, 33-64, 65+.
 BUCKETS = (1, 4, 8, 16, 32, 64)
@@ -46,6 +59,21 @@ class Strategy:
 PLAIN = Strategy("none")
 
 
+@dataclass
+class _Bucket:
+    """What one batch-size bucket has measured."""
+
+    arms: list[Strategy]
+    window: int
+    rewards: dict[Strategy, deque[float]] = field(init=False)
+    tried_at: dict[Strategy, int] = field(init=False)  # step of each arm's last trial
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.rewards = {a: deque(maxlen=self.window) for a in self.arms}
+        self.tried_at = {a: -1 for a in self.arms}
+
+
 class StrategyBandit:
     def __init__(
         self,
@@ -55,42 +83,64 @@ class StrategyBandit:
         window: int = 64,
         min_trials: int = 3,
         seed: int = 0,
+        epsilon_min: float = 0.02,
+        decay_steps: int = 200,
     ) -> None:
         self.arms = list(dict.fromkeys(arms))  # empty: always plain; one arm: fixed strategy
         self.max_batch = max_batch
-        self.epsilon = epsilon
+        self.epsilon, self.epsilon_min, self.decay_steps = epsilon, epsilon_min, decay_steps
         self.min_trials = min_trials
         self._rng = random.Random(seed)
-        self._rewards = [
-            {a: deque[float](maxlen=window) for a in self.arms} for _ in range(len(BUCKETS) + 1)
-        ]
+        self._buckets = [_Bucket(self.arms, window) for _ in range(len(BUCKETS) + 1)]
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return bisect.bisect_left(BUCKETS, batch_size)
 
-    def choose(self, batch_size: int) -> Strategy:
+    def epsilon_at(self, steps: int) -> float:
+        """Exploration probability after ``steps`` steps of a bucket."""
+        decayed = self.epsilon * self.decay_steps / (self.decay_steps + steps)
+        return max(self.epsilon_min, decayed)
+
+    def choose(self, batch_size: int, idle: Iterable[str] = ()) -> Strategy:
+        """The strategy for a step of ``batch_size`` rows; ``idle``: proposers known to have
+        no drafts this step (their arms would be plain steps)."""
         if batch_size > self.max_batch or not self.arms:
             return PLAIN
         if len(self.arms) == 1:
             return self.arms[0]
-        seen = self._rewards[self.bucket(batch_size)]
-        for arm in self.arms:
-            if len(seen[arm]) < self.min_trials:
-                return arm
-        if self._rng.random() < self.epsilon:
-            return self._rng.choice(self.arms)
-        return max(self.arms, key=lambda a: statistics.median(seen[a]))
+        b = self._buckets[self.bucket(batch_size)]
+        b.steps += 1
+        skip = set(idle)
+        candidates = [a for a in self.arms if a.proposer not in skip] or [PLAIN]
+        # Untried arms first, speculative ones before plain decoding (whose speed is least in
+        # doubt): a small batch starts speculating on its first steps.
+        for arm in sorted(candidates, key=lambda a: a == PLAIN):
+            if len(b.rewards.get(arm, ())) < self.min_trials:
+                return self._tried(b, arm)
+        best = max(candidates, key=lambda a: statistics.median(b.rewards[a]))
+        if len(candidates) > 1 and self._rng.random() < self.epsilon_at(b.steps):
+            others = [a for a in candidates if a != best]
+            return self._tried(b, min(others, key=lambda a: b.tried_at[a]))
+        return self._tried(b, best)
+
+    @staticmethod
+    def _tried(b: _Bucket, arm: Strategy) -> Strategy:
+        if arm in b.tried_at:
+            b.tried_at[arm] = b.steps
+        return arm
 
     def update(self, batch_size: int, arm: Strategy, tokens: int, seconds: float) -> None:
-        window = self._rewards[self.bucket(batch_size)].get(arm)
-        if window is not None and batch_size <= self.max_batch and seconds > 0:
+        if batch_size > self.max_batch or seconds <= 0:
+            return
+        window = self._buckets[self.bucket(batch_size)].rewards.get(arm)
+        if window is not None:
             window.append(tokens / seconds)
 
     def forget(self, proposer: str) -> None:
         """Drop the measurements of ``proposer``'s arms (e.g. its model changed)."""
-        for bucket in self._rewards:
-            for arm, window in bucket.items():
+        for b in self._buckets:
+            for arm, window in b.rewards.items():
                 if arm.proposer == proposer:
                     window.clear()
 
@@ -103,7 +153,7 @@ class StrategyBandit:
             if lo > self.max_batch:
                 break
             name = str(lo) if lo == hi else f"{lo}-{hi if hi is not None else ''}"
-            seen = {str(a): statistics.median(r) for a, r in self._rewards[i].items() if r}
+            seen = {str(a): statistics.median(r) for a, r in self._buckets[i].rewards.items() if r}
             if seen:
                 out[name] = {a: round(v, 1) for a, v in seen.items()}
         return out
