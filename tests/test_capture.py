@@ -58,8 +58,10 @@ def test_samples_equal_teacher_forced_features(
 ) -> None:
     spec = {
         "plain": SpecConfig(),
-        "chain": SpecConfig(method="drafter", drafter=str(drafter_dir)),
-        "tree": SpecConfig(method="drafter", drafter=str(drafter_dir), tree_topk=3),
+        "chain": SpecConfig(method="drafter", min_draft_confidence=0.0, drafter=str(drafter_dir)),
+        "tree": SpecConfig(
+            method="drafter", min_draft_confidence=0.0, drafter=str(drafter_dir), tree_topk=3,
+        ),
         "ngram": SpecConfig(method="ngram"),
     }[mode]
     llm = capture_llm(tiny_model_dir, spec)

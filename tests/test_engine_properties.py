@@ -117,8 +117,10 @@ SPECS = {
 @pytest.mark.parametrize("mode", list(SPECS))
 def test_engine_bookkeeping_properties(mode: str, tiny_model_dir: Path,
                                        tiny_drafter_dir: Path) -> None:
-    spec = SPECS[mode] or SpecConfig(method="drafter", drafter=str(tiny_drafter_dir),
-                                     num_draft_tokens=3)
+    spec = SPECS[mode] or SpecConfig(
+        method="drafter", min_draft_confidence=0.0, drafter=str(tiny_drafter_dir),
+        num_draft_tokens=3,
+    )
     machine = type(f"Engine_{mode}", (EngineMachine,), {
         "engine": make_engine(tiny_model_dir, spec), "model": tiny_model_dir})
     run_state_machine_as_test(machine, settings=settings(

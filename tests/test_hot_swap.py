@@ -55,7 +55,9 @@ def test_swaps_between_steps_keep_greedy_output_exact(
     tiny_model_dir: Path, pair: dict[str, Path]
 ) -> None:
     plain = run(make_llm(tiny_model_dir).engine)
-    spec = SpecConfig(method="drafter", drafter=str(pair["a"]), num_draft_tokens=3)
+    spec = SpecConfig(
+        method="drafter", min_draft_confidence=0.0, drafter=str(pair["a"]), num_draft_tokens=3,
+    )
     engine = make_llm(tiny_model_dir, spec).engine
     swapped = run(engine, swap_every=2, paths=(pair["a"], pair["b"]))
     for p, s in zip(plain, swapped, strict=True):
@@ -73,7 +75,7 @@ def test_swaps_between_steps_keep_greedy_output_exact(
 def test_bad_swaps_are_refused_and_the_old_drafter_serves_on(
     tiny_model_dir: Path, pair: dict[str, Path], tmp_path: Path
 ) -> None:
-    spec = SpecConfig(method="drafter", drafter=str(pair["a"]))
+    spec = SpecConfig(method="drafter", min_draft_confidence=0.0, drafter=str(pair["a"]))
     engine = make_llm(tiny_model_dir, spec).engine
     assert engine.update_drafter(str(pair["b"]), version=5).ok
     before = engine.spec.drafter
@@ -95,7 +97,7 @@ def test_bad_swaps_are_refused_and_the_old_drafter_serves_on(
 def test_target_update_reslices_the_draft_head(
     tiny_model_dir: Path, pair: dict[str, Path]
 ) -> None:
-    spec = SpecConfig(method="drafter", drafter=str(pair["sliced"]))
+    spec = SpecConfig(method="drafter", min_draft_confidence=0.0, drafter=str(pair["sliced"]))
     engine = make_llm(tiny_model_dir, spec).engine
     drafter = engine.spec.drafter
     assert drafter is not None and drafter.head is not None

@@ -40,7 +40,9 @@ def drafter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, drafter_dir: Path) -> Iterator[Served]:
-    spec = SpecConfig(method="drafter", drafter=str(drafter_dir), max_batch=64)
+    spec = SpecConfig(
+        method="drafter", min_draft_confidence=0.0, drafter=str(drafter_dir), max_batch=64,
+    )
     s = serve(tiny_model_dir, spec=spec, capture=CaptureConfig(enabled=True))
     yield s
     s.stop()
@@ -138,6 +140,7 @@ def test_server_supervises_the_trainer_through_sigkill(
     output) and the trainer writes a checkpoint on its way out."""
     state = tmp_path / "state"
     proc = start_cli(str(tiny_model_dir), "--max-num-seqs", "8", "--speculative", "drafter",
+                     "--min-draft-confidence", "0",
                      "--drafter", str(drafter_dir), "--train-drafter", "--trainer-state-dir",
                      str(state), "--api-key", "user-key", "--admin-key", "admin-key")
     try:

@@ -71,7 +71,9 @@ def test_greedy_speculation_is_exact_alone_batched_and_switching(
     method = "ngram" if proposer == "ngram" else "drafter"
     path = None if proposer == "ngram" else str(drafter_dir)
     topk = 3 if proposer == "tree" else 1
-    on = make(SpecConfig(method=method, drafter=path, max_batch=8, tree_topk=topk))
+    on = make(SpecConfig(
+        method=method, drafter=path, min_draft_confidence=0.0, max_batch=8, tree_topk=topk,
+    ))
     batched = on.generate(prompts, params())
     assert [o.samples[0].token_ids for o in batched] == ref
     assert on.engine.stats.spec_steps > 0
@@ -79,7 +81,9 @@ def test_greedy_speculation_is_exact_alone_batched_and_switching(
         got = on.generate([prompts[i]], [params()[i]])[0].samples[0]
         assert got.token_ids == ref[i], PROMPTS[i]
     # Switch at 3 running sequences: plain steps first, speculation once the tail begins.
-    switching = make(SpecConfig(method=method, drafter=path, max_batch=3, tree_topk=topk))
+    switching = make(SpecConfig(
+        method=method, drafter=path, min_draft_confidence=0.0, max_batch=3, tree_topk=topk,
+    ))
     outs = switching.generate(prompts, params())
     assert [o.samples[0].token_ids for o in outs] == ref
     stats = switching.engine.stats

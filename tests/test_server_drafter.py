@@ -32,7 +32,9 @@ def drafters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def served_drafter(tiny_model_dir: Path, drafters: list[Path]) -> Iterator[Served]:
-    spec = SpecConfig(method="drafter", drafter=str(drafters[0]), max_batch=64)
+    spec = SpecConfig(
+        method="drafter", min_draft_confidence=0.0, drafter=str(drafters[0]), max_batch=64,
+    )
     s = serve(tiny_model_dir, spec=spec, capture=CaptureConfig(enabled=True))
     yield s
     s.stop()

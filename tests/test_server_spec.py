@@ -47,9 +47,11 @@ def generate_batch(s: Served, **extra: object) -> list[dict]:
 
 def test_cli_spec_flags_build_spec_config() -> None:
     cfg = parse_args(["serve", "--speculative", "drafter", "--drafter", "/d",
-                      "--num-draft-tokens", "6", "--spec-max-batch", "3"]).engine.spec
+                      "--num-draft-tokens", "6", "--spec-max-batch", "3",
+                      "--min-draft-confidence", "0.25"]).engine.spec
     assert (cfg.method, cfg.drafter, cfg.num_draft_tokens, cfg.max_batch) == (
         "drafter", "/d", 6, 3)
+    assert cfg.min_draft_confidence == 0.25
     assert parse_args(["serve"]).engine.spec.method == "off"
 
 

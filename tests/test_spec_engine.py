@@ -42,12 +42,18 @@ def drafters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def spec_configs(drafters: dict[str, Path], **kw: int) -> dict[str, SpecConfig]:
     out = {"ngram": SpecConfig(method="ngram", **kw)}
     for name, path in drafters.items():
-        out[f"drafter-{name}"] = SpecConfig(method="drafter", drafter=str(path), **kw)
+        out[f"drafter-{name}"] = SpecConfig(
+            method="drafter", min_draft_confidence=0.0, drafter=str(path), **kw,
+        )
     out["tree"] = SpecConfig(
         method="drafter", drafter=str(drafters["plain"]), tree_topk=3, verify_budget=7, **kw
     )
     out["auto"] = SpecConfig(
-        method="auto", drafter=str(drafters["plain"]), auto_trees=((4, 2, 8),), **kw
+        method="auto",
+        drafter=str(drafters["plain"]),
+        auto_trees=((4, 2, 8),),
+        min_draft_confidence=0.0,
+        **kw,
     )
     return out
 
@@ -141,6 +147,60 @@ def test_auto_asks_ngram_first_and_never_chooses_it_without_drafts(
     assert any(arm.proposer == "ngram" for arm in with_drafts)
 
 
+def test_confidence_cut_ends_chains_where_the_drafter_is_unsure(
+    tiny_model_dir, drafters, monkeypatch
+) -> None:
+    """min_draft_confidence: each chain keeps its drafts while the product of the drafter's
+    probabilities stays >= the threshold; output stays exact."""
+    base = SpecConfig(
+        method="drafter", min_draft_confidence=0.0, drafter=str(drafters["plain"]), max_batch=8,
+    )
+    params = varied_params()
+    plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
+
+    def record(llm: LLM) -> list[torch.Tensor]:
+        drafter = llm.engine.spec.proposers["drafter"].drafter
+        probs: list[torch.Tensor] = []
+        draft_logits = drafter.draft_logits
+
+        def spy(x: torch.Tensor) -> torch.Tensor:
+            logits = draft_logits(x)
+            probs.append(logits.float().softmax(-1).max(-1).values)  # [B]
+            return logits
+
+        monkeypatch.setattr(drafter, "draft_logits", spy)
+        return probs
+
+    probe = make_llm(tiny_model_dir, base)
+    seen = record(probe)
+    probe.generate(PROMPTS, params)
+    tau = float(torch.cat(seen).median())  # about half the first drafts fall below it
+    llm = make_llm(tiny_model_dir, replace(base, min_draft_confidence=tau))
+    probs = record(llm)
+    proposer = llm.engine.spec.proposers["drafter"]
+    calls = []
+    propose = proposer.propose
+
+    def spy_propose(reqs, ks):  # type: ignore[no-untyped-def]
+        probs.clear()
+        drafts = propose(reqs, ks)
+        if probs:  # no draft was asked for (every k == 0): the drafter did not run
+            calls.append((list(ks), drafts, torch.stack(probs, 1).cumprod(1)))  # conf [B, J]
+        return drafts
+
+    monkeypatch.setattr(proposer, "propose", spy_propose)
+    out = llm.generate(PROMPTS, params)
+    assert [o.samples[0].token_ids for o in out] == [r.samples[0].token_ids for r in plain]
+    lengths = []
+    for ks, drafts, conf in calls:
+        for b, (k, d) in enumerate(zip(ks, drafts, strict=True)):
+            low = (conf[b, :k] < tau).nonzero()
+            assert len(d) == (int(low[0]) if len(low) else k)
+            lengths.append((len(d), k))
+    assert any(n == 0 for n, _ in lengths) and any(n > 0 for n, _ in lengths)
+    assert llm.engine.stats.spec_drafted < probe.engine.stats.spec_drafted
+
+
 def test_group_samples_and_stop_strings_with_speculation(tiny_model_dir, drafters) -> None:
     base = make_llm(tiny_model_dir)
     text = base.generate([PROMPTS[0]], SamplingParams(max_new_tokens=30, temperature=0.0))
@@ -158,7 +218,10 @@ def test_group_samples_and_stop_strings_with_speculation(tiny_model_dir, drafter
 
 def test_drafts_never_run_past_limits(tiny_model_dir, drafters) -> None:
     """max_new_tokens 1 never drafts; a row near max_model_len drafts only what fits."""
-    spec = SpecConfig(method="drafter", drafter=str(drafters["plain"]), num_draft_tokens=8)
+    spec = SpecConfig(
+        method="drafter", min_draft_confidence=0.0, drafter=str(drafters["plain"]),
+        num_draft_tokens=8,
+    )
     llm = make_llm(tiny_model_dir, spec, max_len=48)
     one = llm.generate(PROMPTS[:4], SamplingParams(max_new_tokens=1, temperature=0.0))
     assert all(len(g.samples[0].token_ids) == 1 for g in one)
@@ -172,7 +235,7 @@ def test_drafts_never_run_past_limits(tiny_model_dir, drafters) -> None:
 
 
 def test_abort_while_speculating_frees_state(tiny_model_dir, drafters) -> None:
-    spec = SpecConfig(method="drafter", drafter=str(drafters["plain"]))
+    spec = SpecConfig(method="drafter", min_draft_confidence=0.0, drafter=str(drafters["plain"]))
     eng = make_llm(tiny_model_dir, spec).engine
     params = SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(PROMPTS[:3]):
@@ -213,7 +276,10 @@ def _spec_vs_plain_chi2(
     verification). Below 1: no detectable difference."""
     n = 1500
     batch = SamplingParams(**{**params.__dict__, "n": 50})
-    spec = SpecConfig(method="drafter", drafter=str(drafter), max_batch=64, tree_topk=topk)
+    spec = SpecConfig(
+        method="drafter", min_draft_confidence=0.0, drafter=str(drafter), max_batch=64,
+        tree_topk=topk,
+    )
     runs = {}
     for name, cfg in [("plain", None), ("spec", spec)]:
         llm = make_llm(model_dir, cfg, rows=50)
@@ -273,7 +339,7 @@ def test_bad_drafter_checkpoints_are_refused_with_the_reason(
     tiny_model_dir, tiny_model_factory, drafters, tmp_path
 ) -> None:
     def refused(path: Path, match: str) -> None:
-        spec = SpecConfig(method="drafter", drafter=str(path))
+        spec = SpecConfig(method="drafter", min_draft_confidence=0.0, drafter=str(path))
         with pytest.raises(DrafterError, match=match):
             make_llm(tiny_model_dir, spec)
 
@@ -338,6 +404,8 @@ def test_drafter_checkpoint_round_trips(tiny_model_dir, drafters, tmp_path) -> N
         (SpecConfig(method="ngram", num_draft_tokens=99), "num_draft_tokens"),
         (SpecConfig(method="ngram", max_batch=0), "spec_max_batch"),
         (SpecConfig(method="ngram", ngram_min_n=3, ngram_max_n=2), "ngram_min_n"),
+        (SpecConfig(method="ngram", min_draft_confidence=1.0), "min_draft_confidence"),
+        (SpecConfig(method="ngram", min_draft_confidence=-0.1), "min_draft_confidence"),
     ],
 )
 def test_invalid_speculation_settings_name_the_field(spec, field) -> None:

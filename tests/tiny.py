@@ -90,7 +90,10 @@ def make_tiny_drafter(
     feature_layers: tuple[int, ...] = (),
     draft_vocab_size: int = 0,
 ) -> Path:
-    """Write a randomly initialised drafter checkpoint for the tiny target at ``target_dir``."""
+    """Write a randomly initialised drafter checkpoint for the tiny target at ``target_dir``.
+
+    Random drafters are never confident: tests that need drafts from one set
+    ``min_draft_confidence=0``."""
     import json
 
     from tlt_serve.models.loader import build_model

@@ -75,6 +75,13 @@ class SpecConfig:
     auto_trees: tuple[tuple[int, int, int], ...] = ()
     ngram_min_n: int = 2
     ngram_max_n: int = 4
+    # A drafter chain stops where the product of its drafts' probabilities (the drafter's own
+    # softmax) falls below this; 0 drafts every chain to full depth. Lossless: only fewer
+    # drafts are verified. Measured (warm-up drafter, bf16, greedy, depth 4, 5 interleaved
+    # rounds): 0 / 0.1 / 0.2 drafted 3.9 / 1.7 / 1.4 tokens per verify for the same accepted
+    # 0.42 / 0.41 / 0.46, at x0.86 / x1.08 / x1.04 of plain decoding at batch 1 and x0.50 /
+    # x0.56 / x0.60 at batch 4; 0.1 beat 0 in all ten rounds.
+    min_draft_confidence: float = 0.1
 
     def validate(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -106,6 +113,10 @@ class SpecConfig:
             raise ConfigError(f"auto_depths: each must be in [1, {MAX_DRAFT_TOKENS}], got {bad}")
         if self.max_batch < 1:
             raise ConfigError(f"spec_max_batch: must be >= 1, got {self.max_batch}")
+        if not 0.0 <= self.min_draft_confidence < 1.0:
+            raise ConfigError(
+                f"min_draft_confidence: must be in [0, 1), got {self.min_draft_confidence}"
+            )
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ConfigError(
                 f"ngram_min_n: need 1 <= ngram_min_n <= ngram_max_n, "

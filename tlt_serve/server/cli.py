@@ -75,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                        help="> 1: tree drafting (drafter), top-K children per expanded node")
     serve.add_argument("--verify-budget", type=int, default=SpecConfig.verify_budget,
                        metavar="N", help="tree nodes verified per request (default: 2x depth)")
+    serve.add_argument("--min-draft-confidence", type=float, metavar="P",
+                       default=SpecConfig.min_draft_confidence,
+                       help="a drafter chain stops where the product of its drafts' "
+                       "probabilities falls below P (0: always full depth)")
     serve.add_argument("--capture", action="store_true",
                        help="keep drafter training samples (target features + tokens of "
                        "finished sequences) in a bounded buffer (GET /drafter/samples)")
@@ -108,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 max_batch=args.spec_max_batch,
                 tree_topk=args.tree_topk,
                 verify_budget=args.verify_budget,
+                min_draft_confidence=args.min_draft_confidence,
             ),
             capture=CaptureConfig(
                 enabled=args.capture or args.train_drafter,

@@ -217,7 +217,9 @@ def build_spec_decoder(
         proposers["ngram"] = NgramDrafts(NgramConfig(config.ngram_min_n, config.ngram_max_n))
     if kind == "drafter":
         drafter = load_drafter(str(config.drafter), target)
-        proposers["drafter"] = DrafterProposer(drafter, rows, max_len)
+        proposers["drafter"] = DrafterProposer(
+            drafter, rows, max_len, config.min_draft_confidence
+        )
         feature_layers = drafter.spec.feature_layers
     names = [p for p in proposers if p != PLAIN.proposer]
     if config.method == "auto":

@@ -37,9 +37,12 @@ class DrafterProposer:
     name = "drafter"
     needs_features = True
 
-    def __init__(self, drafter: DrafterModel, rows: int, max_len: int) -> None:
+    def __init__(
+        self, drafter: DrafterModel, rows: int, max_len: int, min_confidence: float = 0.0
+    ) -> None:
         weight = drafter.fc.weight
         self.drafter = drafter
+        self.min_confidence = min_confidence
         self.device = str(weight.device)
         self.kv = KVCache(drafter.cfg, rows, max_len, weight.dtype, self.device)
         self._states: dict[str, _State] = {}
@@ -59,20 +62,30 @@ class DrafterProposer:
         B, row_lo, kv = len(reqs), reqs[0].row, self.kv.layers[0]
         last = self._catch_up(reqs)  # [B, H] predicted feature after each last committed token
         drafts = []
+        # Per row: drafts kept so far, and the chain's confidence (product of probabilities).
+        keep = torch.tensor(ks, device=last.device)  # [B]
+        confidence = torch.ones(B, device=last.device)  # [B]
         for j in range(K):
-            index = self.drafter.draft_logits(last).argmax(dim=-1)  # [B]
+            logits = self.drafter.draft_logits(last)  # [B, Vd]
+            if self.min_confidence > 0:
+                prob, index = logits.float().softmax(dim=-1).max(dim=-1)  # [B], [B]
+                confidence = confidence * prob
+                cut = (confidence < self.min_confidence) & (keep > j)  # [B] rows ending at j
+                keep = torch.where(cut, torch.full_like(keep, j), keep)
+            else:
+                index = logits.argmax(dim=-1)  # [B]
             token = self.drafter.to_token_ids(index)  # [B]
             drafts.append(token)
-            if j == K - 1:
-                break
+            if j == K - 1 or not bool((keep > j + 1).any()):
+                break  # no row drafts further
             # Pair (f̂, d_j) sits at position num_tokens - 1 + j.
             starts = [r.num_tokens - 1 + j for r in reqs]
             fb, ids = extend_batch(
                 self.kv, row_lo, starts, [[t] for t in token.tolist()], self.device
             )
             last = self.drafter(ids, last.unsqueeze(1), fb, kv, fused=True)[:, 0]  # [B, H]
-        table = torch.stack(drafts, dim=1).tolist()  # [B, K]
-        return [table[b][: ks[b]] for b in range(B)]
+        table = torch.stack(drafts, dim=1).tolist()  # [B, <= K]
+        return [table[b][:n] for b, n in enumerate(keep.tolist())]
 
     @torch.inference_mode()
     def propose_tree(
