@@ -19,6 +19,7 @@ from tlt_serve.capture import decode_samples
 from tlt_serve.config import CaptureConfig, SpecConfig
 from tlt_serve.server.cli import parse_args
 from tlt_serve.server.supervisor import trainer_command
+from trainer.cli import build_parser, online_config
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?", "Bonjour, ça va?"]
 GREEDY = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
@@ -49,6 +50,10 @@ def test_cli_capture_and_training_flags() -> None:
     assert cfg.training.max_running == 2 and cfg.training.threads == 1
     cmd = trainer_command(cfg, "http://127.0.0.1:1")
     assert cmd[cmd.index("--threads") + 1] == "1" and cmd[cmd.index("--init") + 1] == "/d"
+    # The trainer parses it: one micro-step of 4 x 64 pairs per optimizer step (it is
+    # suspended by signal, so a longer tick does not delay yielding).
+    online = online_config(build_parser().parse_args(cmd[cmd.index("online"):]))
+    assert (online.rows, online.row_len, online.accum, online.init) == (4, 64, 1, "/d")
     assert not parse_args(["serve"]).engine.capture.enabled
 
 

@@ -124,8 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--init", default=None, metavar="PATH", help="drafter to start from")
     o.add_argument("--api-key", default=os.environ.get("TLT_SERVE_API_KEY"))
     o.add_argument("--lr", type=float, default=oc.lr)
+    o.add_argument("--rows", type=int, default=oc.rows, metavar="N",
+                   help="packed rows per micro-step (one tick)")
     o.add_argument("--row-len", type=int, default=oc.row_len, metavar="L")
-    o.add_argument("--accum", type=int, default=oc.accum, metavar="N")
+    o.add_argument("--accum", type=int, default=oc.accum, metavar="N",
+                   help="micro-steps per optimizer step")
     o.add_argument("--eval-every", type=int, default=oc.eval_every, metavar="STEPS")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--threads", type=int, default=None, metavar="N")
@@ -140,6 +143,7 @@ def online_config(args: argparse.Namespace) -> OnlineConfig:
         init=args.init,
         api_key=args.api_key,
         lr=args.lr,
+        rows=args.rows,
         row_len=args.row_len,
         accum=args.accum,
         eval_every=args.eval_every,

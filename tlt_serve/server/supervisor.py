@@ -39,10 +39,17 @@ def trainer_state_dir(config: ServerConfig) -> Path:
     return default_cache_dir() / "trainer" / name
 
 
+# The optimizer step (256 pairs) in ONE micro-step instead of the standalone trainer's four
+# of 1 x 64: a suspended trainer yields at once whatever its tick's length, so the tick need
+# not be short, and bigger products train faster (forward + backward, 2 threads: 1 x 64 pairs
+# 87 ms = 735 pairs/s; 4 x 64 249 ms = 1027 pairs/s).
+SUPERVISED_MICRO_STEP = ["--rows", "4", "--row-len", "64", "--accum", "1"]
+
+
 def trainer_command(config: ServerConfig, url: str) -> list[str]:
     cmd = [sys.executable, "-m", "trainer", "online", "--server", url,
            "--state-dir", str(trainer_state_dir(config)), "--seed", str(config.engine.seed),
-           "--log-level", config.log_level]
+           "--log-level", config.log_level, *SUPERVISED_MICRO_STEP]
     if config.engine.spec.drafter:
         cmd += ["--init", config.engine.spec.drafter]
     if config.training.threads:
