@@ -3,17 +3,19 @@
 A strategy is (proposer, depth). Under ``--speculative auto``, ``none`` (plain decoding) is one
 of the arms, so the bandit itself learns where speculation stops paying; a fixed method has one
 arm (its proposer at ``num_draft_tokens``) and no learning. Reward = tokens committed per second
-of the step (drafting + verify + acceptance, as the engine measured it). Per context the policy
+of the step (drafting + verify + acceptance, as the engine measured it). Per bucket the policy
 is ε-greedy over the MEDIAN reward of each arm's recent ``window`` steps (robust to the noisy,
-shared CPU); every arm is tried ``min_trials`` times first. Above ``max_batch`` running
-sequences nothing speculates (a hard switch, no exploration cost at large batches).
+shared CPU); every arm is tried ``min_trials`` times first (speculative ones before plain).
+Above ``max_batch`` running sequences nothing speculates (a hard switch, no exploration cost
+at large batches).
 
 Proposers that are known to have no drafts this step are ``idle`` and their arms are not
-candidates. The n-gram proposer is free to ask and most steps it has nothing (a sixth of the
-steps at batch 1 on the benchmark's chat prompts): an n-gram arm chosen then would run a plain
-step, its median reward would be a plain step's, and the steps where it does draft would never
-decide anything. Asked first (``SpecDecoder``), its arms are chosen only when it drafts and are
-measured only on those steps; the other arms' speeds do not depend on it and are shared.
+candidates. The n-gram proposer is free to ask and most steps it has nothing (it drafts on a
+fifth of the steps at batch 1 on the benchmark's chat prompts): an n-gram arm chosen then would
+run a plain step, its median reward would be a plain step's, and the steps where it does draft
+would never decide anything. Asked first (``SpecDecoder``), its arms are chosen only when it
+drafts and are measured only on those steps; the other arms' speeds do not depend on it and
+are shared.
 
 Exploration decays per bucket, ε = max(ε_min, ε · decay / (decay + steps)): it is needed while
 the medians are young and is a tax afterwards (an explored arm that loses costs up to 2x a plain
