@@ -233,8 +233,9 @@ class LlamaModel(nn.Module):
 
 
 def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
-    """Use the own bf16 kernels in ``module`` (None: torch's): the product for up to
-    MATVEC_ROWS rows, the RMSNorms, the decode attention."""
+    """Use the own bf16 kernels in ``module`` (None, or a None field: torch's): the product
+    for up to MATVEC_ROWS rows, the RMSNorms, the decode attention (for head_dim a multiple of
+    8 up to 256 and up to 16 query heads per KV head: the kernel's limits)."""
     if isinstance(module, LlamaModel):
         module.kernels = kernels  # a drafter loaded for this model uses the same
     for m in module.modules():
@@ -243,7 +244,8 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
         elif isinstance(m, RMSNorm):
             m.kernel = None if kernels is None else kernels.norm
         elif isinstance(m, Attention):
-            m.decode_kernel = None if kernels is None else kernels.attention
+            fits = m.cfg.head_dim % 8 == 0 and m.cfg.head_dim <= 256 and m.group <= 16
+            m.decode_kernel = None if kernels is None or not fits else kernels.attention
 
 
 def set_fp32_copies(module: nn.Module, enabled: bool) -> None:
