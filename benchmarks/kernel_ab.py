@@ -17,6 +17,7 @@ import json
 import platform
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,21 +26,15 @@ from tqdm import tqdm
 from benchmarks.prompts import chat_messages
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
-from tlt_serve.models.llama import Attention, Linear, RMSNorm
+from tlt_serve.kernels import CpuKernels
+from tlt_serve.models.llama import LlamaModel, set_cpu_kernels
 
 CONFIGS = ("all", "matvec", "norm", "attention")  # "x": everything but x
 
 
-def switch(model: torch.nn.Module, off: str) -> None:
+def switch(model: LlamaModel, kernels: CpuKernels, off: str) -> None:
     """Own kernels everywhere except ``off`` ("all": none off)."""
-    kernels = model.kernels  # type: ignore[attr-defined]
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.matvec = None if off == "matvec" else kernels.matvec
-        elif isinstance(m, RMSNorm):
-            m.kernel = None if off == "norm" else kernels.norm
-        elif isinstance(m, Attention):
-            m.decode_kernel = None if off == "attention" else kernels.attention
+    set_cpu_kernels(model, kernels if off == "all" else replace(kernels, **{off: None}))
 
 
 def main() -> None:
@@ -58,7 +53,8 @@ def main() -> None:
         cache=CacheConfig(max_num_seqs=max(batches)),
     ))
     model = llm.engine.model
-    if model.kernels is None:
+    kernels = model.kernels  # the full set; each round switches one of them off
+    if kernels is None:
         raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
     tok = llm.tokenizer
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
@@ -74,7 +70,7 @@ def main() -> None:
             first += bs
             ref: list[tuple[int, ...]] = []
             for c in CONFIGS:
-                switch(model, "" if c == "all" else c)
+                switch(model, kernels, c)
                 bar.set_postfix(bs=bs, off=c)
                 t0 = time.perf_counter()
                 res = llm.generate(prompts, params)
@@ -90,7 +86,7 @@ def main() -> None:
             results[c][str(bs)] = {"tokens_per_s": round(med, 2), "vs_all": round(med / base, 3),
                                    "same_tokens_as_all": round(statistics.mean(same[c]), 3)}
     bar.close()
-    switch(model, "")
+    switch(model, kernels, "all")
     report = {"model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
               "threads": args.threads, "machine": platform.processor() or platform.machine(),
               "configs": {"all": "every own kernel", **{c: f"torch's {c} instead"

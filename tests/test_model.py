@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers
@@ -225,17 +227,34 @@ def test_decode_attention_kernel_matches_sdpa(G: int) -> None:
         kernels.attention(q, k_cache, v_cache, 3, lens, 1.0)
 
 
+def test_decode_attention_kernel_is_used_only_within_its_limits(tiny_model_dir) -> None:
+    """head_dim a multiple of 8 up to 256, up to 16 query heads per KV head: other shapes keep
+    torch's attention (the kernel would refuse them mid-request)."""
+    from tlt_serve.models.arch import ArchConfig
+    from tlt_serve.models.llama import Attention, set_cpu_kernels
+
+    cfg = ArchConfig.from_dir(tiny_model_dir)  # head_dim 16, 4 heads over 2 KV heads
+    kernels = CpuKernels(matvec=None, norm=None, attention=lambda *args: args[0])
+    shapes = [(16, 4, 2, True), (256, 4, 2, True), (12, 4, 2, False), (264, 4, 2, False)]
+    shapes += [(16, 32, 2, True), (16, 34, 2, False)]
+    for head_dim, heads, kv_heads, fits in shapes:
+        attn = Attention(replace(cfg, head_dim=head_dim, num_heads=heads, num_kv_heads=kv_heads))
+        set_cpu_kernels(attn, kernels)
+        assert (attn.decode_kernel is not None) == fits, (head_dim, heads, kv_heads)
+
+
 @torch.inference_mode()
 def test_decode_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> None:
     """A bf16 decode batch of rows with different lengths: logits with the kernel equal those
     of torch's masked SDPA within bf16 rounding."""
     from tlt_serve.engine.runner import extend_batch
-    from tlt_serve.models.llama import Attention
+    from tlt_serve.models.llama import Attention, set_cpu_kernels
 
     model = build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True)
-    attn = [m for m in model.modules() if isinstance(m, Attention)]
-    if attn[0].decode_kernel is None:
+    kernels = model.kernels
+    if kernels is None or kernels.attention is None:
         pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    attn = [m for m in model.modules() if isinstance(m, Attention)]
     kv = KVCache(model.cfg, rows=3, max_len=32, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     V = model.cfg.vocab_size
@@ -244,7 +263,7 @@ def test_decode_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> No
     model(ids, batch, kv.layers)
     batch, ids = extend_batch(kv, 0, [5, 9, 2], [[1], [2], [3]])
     assert batch.kv_lens is not None and batch.kv_lens.tolist() == [6, 10, 3]
-    kernel, calls = attn[0].decode_kernel, []
+    kernel, calls = kernels.attention, []
 
     def counted(*args: object) -> torch.Tensor:
         calls.append(1)
@@ -252,8 +271,7 @@ def test_decode_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> No
 
     logits = []
     for k in (counted, None):
-        for m in attn:
-            m.decode_kernel = k
+        set_cpu_kernels(model, replace(kernels, attention=k))
         logits.append(model.logits(model(ids, batch, kv.layers).hidden[:, 0]))
     assert len(calls) == len(attn)  # every layer's decode attention ran in the kernel
     torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.05)

@@ -31,11 +31,12 @@ DecodeAttention = Callable[
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """The own bf16 kernels a model uses for serving (never under autograd)."""
+    """The own bf16 kernels a model uses for serving (never under autograd); a None field
+    leaves torch's kernel in place (e.g. ``replace(kernels, norm=None)`` for an A/B)."""
 
-    matvec: MatVec  # bf16 weight [N, K] × rows [M, K] → [M, N], fp32 accumulation
-    norm: NormKernel  # RMSNorm of bf16 rows, HF's rounding order
-    attention: DecodeAttention  # one query token per row over its cached keys
+    matvec: MatVec | None  # bf16 weight [N, K] × rows [M, K] → [M, N], fp32 accumulation
+    norm: NormKernel | None  # RMSNorm of bf16 rows, HF's rounding order
+    attention: DecodeAttention | None  # one query token per row over its cached keys
 
 
 @cache  # one build per process; the compiled module is process-wide by nature
