@@ -72,6 +72,9 @@ class SpecDecoder:
         self.max_len = max_len
         self.feature_layers = feature_layers
         self._strategy = PLAIN  # what the current step runs (rewarded in end_step)
+        # Under auto, the deepest n-gram arm: n-gram is asked for that many before choosing.
+        ngram_depths = [a.depth for a in policy.arms if a.proposer == "ngram"]
+        self._ngram_first_depth = max(ngram_depths) if len(policy.arms) > 1 and ngram_depths else 0
 
     @property
     def enabled(self) -> bool:
@@ -108,8 +111,8 @@ class SpecDecoder:
     def _ngram_first(self, reqs: list[Request]) -> list[list[int]] | None:
         """Under ``auto``, the n-gram drafts of this step at its deepest arm, asked before the
         policy chooses (spec/policy.py: without drafts its arms are no candidates)."""
-        depth = max((a.depth for a in self.policy.arms if a.proposer == "ngram"), default=0)
-        if len(self.policy.arms) < 2 or not depth or len(reqs) > self.policy.max_batch:
+        depth = self._ngram_first_depth
+        if not depth or len(reqs) > self.policy.max_batch:
             return None
         return self.proposers["ngram"].propose(reqs, [self._room(r, depth) for r in reqs])
 
