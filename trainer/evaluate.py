@@ -7,6 +7,11 @@ to t-1 and drafts ``depth`` tokens in a chain, feeding back its own predicted fe
 of leading matches (0..depth, the bonus token not counted — the engine's ``num_accepted``).
 Held-out responses are greedy, so the target argmax is the continuation and the chain is the
 one greedy verification would see.
+
+The mean over every start position counts the easy positions inside long accepted runs that
+serving never drafts from. ``walk_accept_length`` is what greedy serving measures: chains
+only from where serving starts one (the first response position, then one past the previous
+chain's accepted drafts and bonus token), with no confidence cut.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class AcceptStats:
     accept_length: float  # mean accepted drafts per chain (excludes the bonus token)
     per_depth: tuple[float, ...]  # [j]: fraction of chains whose first j+1 drafts are accepted
     chains: int
+    walk_accept_length: float = 0.0  # mean over the chains greedy serving would draft
+    walk_chains: int = 0
 
     @property
     def top1(self) -> float:
@@ -44,6 +51,8 @@ class AcceptStats:
             "per_depth": [round(p, 4) for p in self.per_depth],
             "top1": round(self.top1, 4),
             "chains": self.chains,
+            "walk_accept_length": round(self.walk_accept_length, 4),
+            "walk_chains": self.walk_chains,
         }
 
 
@@ -87,12 +96,13 @@ def offline_accept(drafter: DrafterModel, heldout: Sequence[HeldOut], depth: int
     was_training = drafter.training
     drafter.eval()
     hits = torch.zeros(depth, dtype=torch.float64)
-    total, chains = 0.0, 0
+    total, chains, walked = 0.0, 0, []
     for h in heldout:
         b = h.batch
         drafts = chain_drafts(drafter, b, depth)  # depth x [B, Q]
         start = b.eval_mask  # [B, Q] chains that start at a response position
         alive = start.clone()
+        lengths = torch.zeros(b.seg.shape, dtype=torch.long)  # [B, Q] accepted per chain
         for j in range(depth):
             ok = (
                 (drafts[j] == shift(h.target_argmax, j))
@@ -100,9 +110,30 @@ def offline_accept(drafter: DrafterModel, heldout: Sequence[HeldOut], depth: int
                 & chain_valid(b.seg, j)
             )
             alive = alive & ok  # [B, Q]
+            lengths += alive
             hits[j] += float(alive.sum())
             total += float(alive.sum())
         chains += int(start.sum())
+        walked += walk(lengths, start, b.seg)
     drafter.train(was_training)
     n = max(chains, 1)
-    return AcceptStats(total / n, tuple(float(h) / n for h in hits), chains)
+    per_depth = tuple(float(h) / n for h in hits)
+    walk_mean = sum(walked) / max(len(walked), 1)
+    return AcceptStats(total / n, per_depth, chains, walk_mean, len(walked))
+
+
+def walk(lengths: torch.Tensor, start: torch.Tensor, seg: torch.Tensor) -> list[int]:
+    """Accept lengths of the chains greedy serving drafts, segment by segment, in order.
+
+    lengths [B, Q] accepted drafts of the chain from each slot; start [B, Q] bool: slots a
+    chain may start from; seg [B, Q] segment ids. The first chain of a segment starts at its
+    first start slot, each next one ``length + 1`` slots after the previous one."""
+    out: list[int] = []
+    rows = zip(lengths.tolist(), start.tolist(), seg.tolist(), strict=True)
+    for row_len, row_start, row_seg in rows:
+        next_at: dict[int, int] = {}  # segment → first slot the next chain may start at
+        for q, (a, ok, sid) in enumerate(zip(row_len, row_start, row_seg, strict=True)):
+            if ok and q >= next_at.get(sid, q):
+                out.append(a)
+                next_at[sid] = q + a + 1
+    return out
