@@ -84,3 +84,18 @@ def test_chat_answer_is_coherent_and_stops_at_eos(llm: LLM) -> None:
     assert "Paris" in out.text
     assert out.finish is not None and out.finish.type == "stop"
     assert out.token_ids[-1] in llm.tokenizer.eos_ids
+
+
+def test_self_prompts_are_the_models_own_distinct_user_turns(llm: LLM) -> None:
+    from trainer.selfprompts import OPENERS, self_prompts
+
+    # Short turns keep it cheap. Candidates take the openers in turn and only the first four
+    # are open, so 6 prompts include at least two started by an opener.
+    prompts = self_prompts(llm, llm.tokenizer, 6, seed=0, max_tokens=48)
+    assert len(prompts) == 6 and len(set(prompts)) == 6
+    assert OPENERS[:4] == ("",) * 4 and all(OPENERS[4:])
+    assert sum(any(p.startswith(o) for o in OPENERS[4:]) for p in prompts) >= 2
+    for p in prompts:
+        assert "<|im_start|>" not in p and "<|im_end|>" not in p and p == p.strip()
+        assert len(llm.tokenizer.encode(p)) >= 3
+    assert self_prompts(llm, llm.tokenizer, 6, seed=0, max_tokens=48) == prompts

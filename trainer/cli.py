@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from trainer.data import DataConfig
+from trainer.data import PROMPT_SOURCES, DataConfig
 from trainer.link import LinkError, ServerLink
 from trainer.online import OnlineConfig, OnlineTrainer
 from trainer.train import TrainConfig
@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", default=WarmupConfig.model, help="the target (as tlt-serve)")
     w.add_argument("--out", required=True, metavar="PATH", help="checkpoint directory")
     w.add_argument("--num-prompts", type=int, default=d.num_prompts, metavar="N")
+    w.add_argument(
+        "--prompts",
+        choices=PROMPT_SOURCES,
+        default=d.prompts,
+        help="who writes the prompts: the target itself (its own user turns), templates, or both",
+    )
     w.add_argument(
         "--heldout",
         type=int,
@@ -187,6 +193,7 @@ def config_from_args(args: argparse.Namespace) -> WarmupConfig:
         data_cache=args.data_cache,
         data=DataConfig(
             num_prompts=args.num_prompts,
+            prompts=args.prompts,
             heldout_prompts=args.heldout,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,

@@ -25,10 +25,16 @@ from tlt_serve.engine.runner import extend_batch
 from tlt_serve.models.llama import LlamaModel
 from tlt_serve.sampling_params import SamplingParams
 
+PROMPT_SOURCES = ("both", "self", "templates")
+
 
 @dataclass(frozen=True)
 class DataConfig:
-    num_prompts: int = 448  # training + held-out
+    num_prompts: int = 896  # training + held-out
+    # Who writes the prompts (PROMPT_SOURCES): the target itself (its own user turns, see
+    # selfprompts.py), templates (prompts.py), or both (half each, alternating). Measured on
+    # the benchmark's prompts (trainer/README.md): both beat either alone at equal steps.
+    prompts: str = "both"
     heldout_prompts: int = 32  # the last ones; generated greedily, never trained on
     max_new_tokens: int = 256
     temperature: float = 0.8
@@ -37,6 +43,8 @@ class DataConfig:
     draft_vocab_size: int = 8192  # 0 = the full target vocabulary
 
     def validate(self) -> None:
+        if self.prompts not in PROMPT_SOURCES:
+            raise ValueError(f"prompts: {self.prompts!r} is not one of {PROMPT_SOURCES}")
         if self.num_prompts < 2:
             raise ValueError(f"num_prompts: must be >= 2, got {self.num_prompts}")
         if not 1 <= self.heldout_prompts < self.num_prompts:

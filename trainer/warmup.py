@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from trainer.data import (
 from trainer.evaluate import AcceptStats, offline_accept, prepare_heldout
 from trainer.packing import batches
 from trainer.prompts import build_prompts
+from trainer.selfprompts import SELF_PROMPT_TOKENS, self_prompts
 from trainer.target import head_target
 from trainer.train import History, TrainConfig, train
 
@@ -106,19 +108,38 @@ def collect(cfg: WarmupConfig, model_path: Path, timings: dict[str, float]) -> C
             timings.update({f"cached_{k}": v for k, v in saved["timings"].items()})
             return Collected(saved["prompts"], saved["responses"], samples, saved["max_len"])
     tokenizer = load_tokenizer(model_path)
-    texts = build_prompts(cfg.data.num_prompts, cfg.seed)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    max_len = max(len(p) for p in prompts) + cfg.data.max_new_tokens + 1
 
+    def chat(texts: list[str]) -> list[list[int]]:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+
+    n = cfg.data.num_prompts
+    n_self = {"self": n, "both": n // 2, "templates": 0}[cfg.data.prompts]
+    templates = chat(build_prompts(n - n_self, cfg.seed)) if n > n_self else []
+    # The target writes its n_self prompts below; re-encoding one may take a few more tokens.
+    room = [len(chat([""])[0]) + SELF_PROMPT_TOKENS + 32] if n_self else []
+    longest = max([len(p) for p in templates] + room)
     t = time.perf_counter()
     llm = LLM(
         config=EngineConfig(
-            model=ModelConfig(model=str(model_path), dtype=cfg.dtype, max_model_len=max_len),
+            model=ModelConfig(
+                model=str(model_path),
+                dtype=cfg.dtype,
+                max_model_len=longest + cfg.data.max_new_tokens + 1,
+            ),
             cache=CacheConfig(max_num_seqs=cfg.data.max_num_seqs),
             seed=cfg.seed,
             num_threads=cfg.threads,
         )
     )
+    if n_self:
+        written = chat(self_prompts(llm, tokenizer, n_self, cfg.seed))
+        timings["prompts_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+    else:
+        written = []
+    # Alternating, so the held-out tail holds both sources.
+    prompts = [p for pair in zip_longest(templates, written) for p in pair if p is not None]
+    max_len = max(len(p) for p in prompts) + cfg.data.max_new_tokens + 1
     responses = generate(llm, prompts, cfg.data, cfg.seed)
     timings["generate_s"] = time.perf_counter() - t
 
