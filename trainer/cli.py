@@ -239,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"wrote {result.path}: offline accept length {offline['trained']['accept_length']:.3f} "
         f"at depth {offline['depth']} (untrained {offline['untrained']['accept_length']:.3f}), "
-        f"top-1 {offline['trained']['top1']:.3f}; {result.report['timings']['total_s']:.0f} s"
+        f"top-1 {offline['trained']['top1']:.3f}, walked as greedy serving does "
+        f"{offline['trained']['walk_accept_length']:.3f}; "
+        f"{result.report['timings']['total_s']:.0f} s"
     )
     return 0
 
