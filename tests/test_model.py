@@ -11,6 +11,7 @@ import transformers
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.kernels import CpuKernels, cpu_kernels
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
+from tlt_serve.models.llama import MATVEC_ROWS, Linear, set_cpu_kernels
 from tlt_serve.models.loader import WeightError, build_model, iter_safetensors, load_weights
 
 
@@ -183,6 +184,28 @@ def test_bf16_matvec_kernel_takes_and_returns_bf16_exactly() -> None:
         assert out.dtype == torch.bfloat16 and torch.equal(out, ref.bfloat16())
 
 
+def test_own_product_takes_at_most_matvec_rows_rows_and_torch_the_rest() -> None:
+    """Where torch has bf16 GEMM units its product wins above a few rows (CpuKernels)."""
+    kernels = own_kernels()
+    taken: list[int] = []
+
+    def counting(w: torch.Tensor, x: torch.Tensor, out_bf16: bool) -> torch.Tensor:
+        taken.append(x.shape[0])
+        return kernels.matvec(w, x, out_bf16)
+
+    lin = Linear(64, 48).to(torch.bfloat16)
+    set_cpu_kernels(lin, replace(kernels, matvec=counting, matvec_rows=4))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for rows in (1, 4, 5, 9):
+            x = torch.randn(rows, 64, generator=g).bfloat16()
+            ref = torch.nn.functional.linear(x.float(), lin.weight.float())
+            torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2)
+    assert taken == [1, 4]
+    set_cpu_kernels(lin, None)  # no kernel: the default limit again
+    assert lin.matvec is None and lin.matvec_rows == MATVEC_ROWS
+
+
 def test_bf16_rms_norm_kernel_is_hf_order() -> None:
     """HF's RMSNorm: normalise in fp32, round to bf16, times the weight, round; bit for bit
     at the row counts of decode and verify steps, within one bf16 ulp for long rows."""
@@ -231,7 +254,7 @@ def test_decode_attention_kernel_is_used_only_within_its_limits(tiny_model_dir) 
     """head_dim a multiple of 8 up to 256, up to 16 query heads per KV head: other shapes keep
     torch's attention (the kernel would refuse them mid-request)."""
     from tlt_serve.models.arch import ArchConfig
-    from tlt_serve.models.llama import Attention, set_cpu_kernels
+    from tlt_serve.models.llama import Attention
 
     cfg = ArchConfig.from_dir(tiny_model_dir)  # head_dim 16, 4 heads over 2 KV heads
     kernels = CpuKernels(matvec=None, norm=None, attention=lambda *args: args[0])
@@ -248,7 +271,7 @@ def test_decode_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> No
     """A bf16 decode batch of rows with different lengths: logits with the kernel equal those
     of torch's masked SDPA within bf16 rounding."""
     from tlt_serve.engine.runner import extend_batch
-    from tlt_serve.models.llama import Attention, set_cpu_kernels
+    from tlt_serve.models.llama import Attention
 
     model = build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True)
     kernels = model.kernels

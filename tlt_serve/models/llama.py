@@ -15,16 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tlt_serve.kernels import CpuKernels, DecodeAttention, MatVec, NormKernel
+from tlt_serve.kernels import MATVEC_ROWS, CpuKernels, DecodeAttention, MatVec, NormKernel
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.batch import ForwardBatch
 from tlt_serve.models.rope import apply_rope, cos_sin_table
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # K, V, each [S, kvH, L+1, D]
-# Up to this many rows (decode and verify batches) the own bf16 kernel multiplies; more rows
-# (prefill) go to the fp32 GEMM (see ``Linear``). Measured here on the default model's
-# projections: the kernel is 3-6x faster at 1-16 rows, 1.3x at 64, even at 128, slower above.
-MATVEC_ROWS = 128
+# Without bf16 GEMM units, up to this many rows (decode and verify batches) the own bf16
+# kernel multiplies; more rows (prefill) go to the fp32 GEMM (see ``Linear``). Measured on an
+# AVX2 host on the default model's projections: the kernel is 3-6x faster at 1-16 rows, 1.3x
+# at 64, even at 128, slower above. With bf16 GEMM units: ``CpuKernels.matvec_rows``.
 
 
 class Linear(nn.Linear):
@@ -43,13 +43,15 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
         self.register_buffer("weight_f32", None, persistent=False)
-        self.matvec: MatVec | None = None  # own bf16 kernel for up to MATVEC_ROWS rows
+        self.matvec: MatVec | None = None  # own bf16 kernel for up to matvec_rows rows
+        self.matvec_rows = MATVEC_ROWS  # set with the kernel (fewer where torch has bf16 GEMM)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         out_dtype = out_dtype or x.dtype
         rows = x.numel() // x.shape[-1]
         # The kernel has no backward: only for products nothing differentiates (serving).
-        if self.matvec is not None and 1 <= rows <= MATVEC_ROWS and not torch.is_grad_enabled():
+        serving = not torch.is_grad_enabled()
+        if self.matvec is not None and 1 <= rows <= self.matvec_rows and serving:
             x2 = x.reshape(rows, -1)  # [rows, K], widened to fp32 in the kernel
             if self.bias is None:  # rounded to out_dtype in the kernel when that is bf16
                 y = self.matvec(self.weight, x2, out_dtype == torch.bfloat16)  # [rows, N]
@@ -241,6 +243,7 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
     for m in module.modules():
         if isinstance(m, Linear):
             m.matvec = None if kernels is None else kernels.matvec
+            m.matvec_rows = MATVEC_ROWS if kernels is None else kernels.matvec_rows
         elif isinstance(m, RMSNorm):
             m.kernel = None if kernels is None else kernels.norm
         elif isinstance(m, Attention):

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tlt_serve.kernels import cpu_kernels as own_kernels
+from tlt_serve.kernels import native_bf16_gemm
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.llama import LlamaModel, refresh_fp32_copies, set_cpu_kernels
 from tlt_serve.models.rope import cos_sin_table
@@ -157,9 +158,9 @@ def build_model(
 ) -> LlamaModel:
     """Instantiate the model of an HF directory and load all of its weights.
 
-    bf16 on CPU: products of up to ``MATVEC_ROWS`` rows, the RMSNorms and decode attention
-    use the own AVX2 kernels when ``cpu_kernels`` and they build; larger products run in fp32
-    where the CPU lacks bf16 GEMM (see ``Linear``).
+    bf16 on CPU: products of up to ``CpuKernels.matvec_rows`` rows, the RMSNorms and decode
+    attention use the own AVX2 kernels when ``cpu_kernels`` and they build; larger products
+    run in fp32 where the CPU lacks bf16 GEMM (see ``Linear``).
     """
     cfg = ArchConfig.from_dir(path)
     with torch.device("meta"):
@@ -177,7 +178,3 @@ def build_model(
         set_cpu_kernels(model, own_kernels())
     return model.eval().requires_grad_(False)
 
-
-def native_bf16_gemm() -> bool:
-    """Whether this CPU has bf16 GEMM units torch uses (AVX512-BF16 / AMX); see ``Linear``."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
