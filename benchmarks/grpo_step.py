@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.host import host
 from clients.grpo import Rollout, policy_update
 from clients.policy import load_policy
 from clients.results import Sample
@@ -54,7 +54,7 @@ def main() -> None:
         policy_update(policy, opt, rollouts, a.micro_batch, clip=0.2)
         seconds.append(time.perf_counter() - t0)
         print(f"update {r}: {seconds[-1]:.1f} s ({a.seqs} sequences x {a.tokens} tokens)")
-    result = {"benchmark": "grpo_step", "args": vars(a), "machine": platform.processor(),
+    result = {"benchmark": "grpo_step", "args": vars(a), "machine": host(),
               "threads": torch.get_num_threads(), "seconds": [round(s, 2) for s in seconds],
               "median_s": round(statistics.median(seconds), 2)}
     print(json.dumps(result))

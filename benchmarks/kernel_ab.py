@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from dataclasses import replace
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks.host import host
 from benchmarks.prompts import chat_messages
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
@@ -88,7 +88,7 @@ def main() -> None:
     bar.close()
     switch(model, kernels, "all")
     report = {"model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
-              "threads": args.threads, "machine": platform.processor() or platform.machine(),
+              "threads": args.threads, "machine": host(),
               "configs": {"all": "every own kernel", **{c: f"torch's {c} instead"
                                                         for c in CONFIGS[1:]}},
               "results": results}

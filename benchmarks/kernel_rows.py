@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from benchmarks.host import host
 from tlt_serve.kernels import cpu_kernels
 
 
@@ -93,6 +94,7 @@ def main() -> None:
     report = {
         "benchmark": "kernel_rows",
         "args": vars(args),
+        "machine": host(),
         "ms_per_step": ms,
         "ratio_to_one_row": {
             n: {r: round(v / d[1], 2) for r, v in d.items()} for n, d in ms.items()

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from benchmarks.host import host
 from benchmarks.prompts import chat_messages
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
@@ -87,7 +87,7 @@ def main() -> None:
         "dtype": "bfloat16",
         "new_tokens": args.new_tokens,
         "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": host(),
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

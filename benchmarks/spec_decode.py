@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks.host import host
 from benchmarks.prompts import chat_messages
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
@@ -138,7 +138,7 @@ def main() -> None:
         "temperature": args.temperature,
         "repeats": args.repeats,
         "threads": args.threads,
-        "machine": platform.processor() or platform.machine(),
+        "machine": host(),
         "cpu_count": len(__import__("os").sched_getaffinity(0)),
         "results": results,
         # Median tokens/s per batch-size bucket and strategy, as the adaptive policy measured
