@@ -2,7 +2,9 @@
 
 One bf16 engine on the default model; between rounds its modules are switched to torch's
 kernel for one of: the bf16 products (``matvec``), the RMSNorms (``norm``), the decode
-attention (``attention``), or none (``all``). Greedy, ``--new-tokens`` per sequence, EOS
+attention (``attention``), or none (``all``); on CPUs with AVX512-BF16 also ``avx2``: the own
+product on its AVX2 path with the row limit it had there (what it was before its AVX512-BF16
+path). Greedy, ``--new-tokens`` per sequence, EOS
 ignored, fresh prompts every round, configurations interleaved, median tokens/s per batch
 size; every configuration's tokens are compared with ``all``'s (bf16 rounding differs between
 kernels, so a few may differ). JSON + PNG.
@@ -26,15 +28,17 @@ from benchmarks.host import host
 from benchmarks.prompts import chat_messages
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
-from tlt_serve.kernels import CpuKernels
+from tlt_serve.kernels import MATVEC_ROWS_NATIVE_BF16, CpuKernels, matvec_avx2, own_avx512_bf16
 from tlt_serve.models.llama import LlamaModel, set_cpu_kernels
 
-CONFIGS = ("all", "matvec", "norm", "attention")  # "x": everything but x
+OFF = ("all", "matvec", "norm", "attention")  # "x": everything but x
 
 
 def switch(model: LlamaModel, kernels: CpuKernels, off: str) -> None:
-    """Own kernels everywhere except ``off`` ("all": none off)."""
-    set_cpu_kernels(model, kernels if off == "all" else replace(kernels, **{off: None}))
+    """Own kernels everywhere except ``off`` ("all": none off; "avx2": the AVX2 product)."""
+    if off == "avx2":
+        kernels = replace(kernels, matvec=matvec_avx2(), matvec_rows=MATVEC_ROWS_NATIVE_BF16)
+    set_cpu_kernels(model, kernels if off in ("all", "avx2") else replace(kernels, **{off: None}))
 
 
 def main() -> None:
@@ -56,20 +60,21 @@ def main() -> None:
     kernels = model.kernels  # the full set; each round switches one of them off
     if kernels is None:
         raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
+    configs = (*OFF, "avx2") if own_avx512_bf16() else OFF
     tok = llm.tokenizer
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([tok.apply_chat_template(chat_messages(0))], SamplingParams(max_new_tokens=8))
-    results: dict[str, dict[str, dict[str, float]]] = {c: {} for c in CONFIGS}
-    bar = tqdm(total=len(batches) * args.rounds * len(CONFIGS), desc="kernel_ab")
+    results: dict[str, dict[str, dict[str, float]]] = {c: {} for c in configs}
+    bar = tqdm(total=len(batches) * args.rounds * len(configs), desc="kernel_ab")
     first = 1
     for bs in batches:
-        tps: dict[str, list[float]] = {c: [] for c in CONFIGS}
-        same: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        tps: dict[str, list[float]] = {c: [] for c in configs}
+        same: dict[str, list[float]] = {c: [] for c in configs}
         for _ in range(args.rounds):
             prompts = [tok.apply_chat_template(chat_messages(first + i)) for i in range(bs)]
             first += bs
             ref: list[tuple[int, ...]] = []
-            for c in CONFIGS:
+            for c in configs:
                 switch(model, kernels, c)
                 bar.set_postfix(bs=bs, off=c)
                 t0 = time.perf_counter()
@@ -81,7 +86,7 @@ def main() -> None:
                 same[c].append(sum(a == b for a, b in zip(toks, ref, strict=True)) / bs)
                 bar.update()
         base = statistics.median(tps["all"])
-        for c in CONFIGS:
+        for c in configs:
             med = statistics.median(tps[c])
             results[c][str(bs)] = {"tokens_per_s": round(med, 2), "vs_all": round(med / base, 3),
                                    "same_tokens_as_all": round(statistics.mean(same[c]), 3)}
@@ -89,13 +94,14 @@ def main() -> None:
     switch(model, kernels, "all")
     report = {"model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
               "threads": args.threads, "machine": host(),
-              "configs": {"all": "every own kernel", **{c: f"torch's {c} instead"
-                                                        for c in CONFIGS[1:]}},
+              "configs": {"all": "every own kernel",
+                          **{c: f"torch's {c} instead" for c in OFF[1:]},
+                          "avx2": "the own product's AVX2 path (rows <= 8)"},
               "results": results}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    for c in CONFIGS:
+    for c in configs:
         print(c.ljust(10), "  ".join(f"bs{b} {v['tokens_per_s']:6.1f} tok/s (x{v['vs_all']:.2f})"
                                      for b, v in results[c].items()))
     plot(results, batches, out.with_suffix(".png"))
@@ -109,10 +115,12 @@ def plot(results: dict, batches: list[int], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(CONFIGS)
-    for i, c in enumerate(CONFIGS):
+    configs = list(results)
+    width = 0.8 / len(configs)
+    for i, c in enumerate(configs):
         xs = [j + i * width for j in range(len(batches))]
-        label = "all own kernels" if c == "all" else f"torch's {c}"
+        labels = {"all": "all own kernels", "avx2": "own product, AVX2 path"}
+        label = labels.get(c, f"torch's {c}")
         ax.bar(xs, [results[c][str(b)]["tokens_per_s"] for b in batches], width, label=label)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))],
                   [f"batch {b}" for b in batches])

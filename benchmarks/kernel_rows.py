@@ -2,10 +2,13 @@
 
 A decode step multiplies one row per sequence through every projection and the head; a
 verify step 1 + drafts rows per sequence. This times exactly those products (the default
-model's shapes, random bf16 weights) from 1 to 256 rows: the own AVX2 kernel on all threads
-and on one, torch's bf16 ``F.linear`` and the fp32 GEMM against fp32 copies (what the engine
-uses above ``MATVEC_ROWS``, i.e. for prefill). Interleaved rounds, median; the ratio to one
-row is what a verify step at batch 1 costs over a plain step.
+model's shapes, random bf16 weights, bf16 rows as a bf16 model's activations are) from 1 to
+256 rows: the own kernel on all threads and on one (on CPUs with AVX512-BF16 also its AVX2
+path, what it was before), torch's bf16 ``F.linear`` and the fp32 GEMM against fp32 copies
+(what the engine uses above ``MATVEC_ROWS`` where torch has no bf16 GEMM, i.e. for prefill).
+Interleaved rounds, median; the ratio to one row is what a verify step at batch 1 costs over a
+plain step. The four layers' weights are reused for every layer, so they stay in cache: the
+one-row figure is faster than a real step's, which streams 269 MB from memory.
 
     python -m benchmarks.kernel_rows --out benchmarks/results/kernel_rows.json
 """
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from benchmarks.host import host
-from tlt_serve.kernels import cpu_kernels
+from tlt_serve.kernels import cpu_kernels, matvec_avx2, native_bf16_gemm, own_avx512_bf16
 
 
 def shapes(hidden: int, inter: int, kv: int, vocab: int) -> list[tuple[int, int]]:
@@ -55,7 +58,7 @@ def main() -> None:
     w32 = [w.float() for w in weights]
 
     def step(product: Callable[[int, torch.Tensor], torch.Tensor], rows: int) -> Callable[[], None]:
-        xs = [torch.randn(rows, w.shape[1], generator=g) for w in weights]
+        xs = [torch.randn(rows, w.shape[1], generator=g).bfloat16() for w in weights]
 
         def run() -> None:
             for _ in range(args.layers):
@@ -65,19 +68,23 @@ def main() -> None:
 
         return run
 
+    avx2 = matvec_avx2() if own_avx512_bf16() else None
     impls: dict[str, Callable[[int, torch.Tensor], torch.Tensor]] = {
-        "kernel": lambda i, x: matvec(weights[i], x, False),
-        "kernel_1_thread": lambda i, x: matvec(weights[i], x, False),
-        "torch_bf16": lambda i, x: F.linear(x.bfloat16(), weights[i]),
-        "torch_fp32_copy": lambda i, x: F.linear(x, w32[i]),
+        "kernel": lambda i, x: matvec(weights[i], x, True),
+        "kernel_1_thread": lambda i, x: matvec(weights[i], x, True),
+        **({"kernel_avx2": lambda i, x: avx2(weights[i], x, True)} if avx2 else {}),
+        "torch_bf16": lambda i, x: F.linear(x, weights[i]),
+        "torch_fp32_copy": lambda i, x: F.linear(x.float(), w32[i]).bfloat16(),
     }
+    # without bf16 GEMM units torch's bf16 product is one matrix-vector product per row
+    torch_bf16_rows = 1 << 30 if native_bf16_gemm() else 16
     ms: dict[str, dict[int, float]] = {name: {} for name in impls}
     row_counts = [int(r) for r in args.rows.split(",")]
     bar = tqdm(total=len(row_counts) * args.rounds, desc="kernel_rows")
     for rows in row_counts:
         times: dict[str, list[float]] = {name: [] for name in impls}
-        # torch's bf16 product is one matrix-vector product per row: timed up to 16 rows only
-        runs = {n: step(fn, rows) for n, fn in impls.items() if n != "torch_bf16" or rows <= 16}
+        runs = {n: step(fn, rows) for n, fn in impls.items()
+                if n != "torch_bf16" or rows <= torch_bf16_rows}
         for _ in range(args.rounds):
             for name, run in runs.items():
                 torch.set_num_threads(1 if name.endswith("1_thread") else args.threads)

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from tlt_serve.engine.kv_cache import KVCache
-from tlt_serve.kernels import CpuKernels, cpu_kernels
+from tlt_serve.kernels import CpuKernels, cpu_kernels, matvec_avx2, own_avx512_bf16
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
 from tlt_serve.models.llama import MATVEC_ROWS, Linear, set_cpu_kernels
 from tlt_serve.models.loader import WeightError, build_model, iter_safetensors, load_weights
@@ -151,37 +151,65 @@ def test_bf16_matvec_kernel_matches_fp32_product() -> None:
 
 @pytest.mark.parametrize("rows", [*range(1, 9), 9, 17, 64, 130])
 def test_bf16_kernel_rows_match_and_do_not_depend_on_threads(rows: int) -> None:
-    """Each 8-row chunk size (1..8) alone and after full chunks, K with and without the 8- and
-    16-wide remainders, N across tiles; each output is summed by one thread, so the split over
-    threads changes no bit."""
+    """Each 8-row chunk size (1..8) alone and after full chunks, K with and without the 8-,
+    16- and 32-wide remainders, N across tiles, fp32 rows (AVX2 path) and bf16 rows (the
+    AVX512-BF16 path where the CPU has it); each output is summed by one thread, so the split
+    over threads changes no bit."""
     matvec = own_kernels().matvec
     g = torch.Generator().manual_seed(rows)
     threads = torch.get_num_threads()
     try:
-        for n, k in [(5, 13), (130, 24), (1000, 40), (200, 576)]:
+        for n, k in [(5, 13), (130, 24), (1000, 40), (200, 576), (70, 100)]:
             w = torch.randn(n, k, generator=g).bfloat16()
-            x = torch.randn(rows, k, generator=g)
-            torch.set_num_threads(2)
-            y2 = matvec(w, x)  # [rows, n]
-            torch.set_num_threads(1)
-            y1 = matvec(w, x)
-            torch.testing.assert_close(y2, x @ w.float().T, atol=1e-4 * k**0.5, rtol=1e-5)
-            assert torch.equal(y1, y2)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, k, generator=g).to(dtype)
+                torch.set_num_threads(2)
+                y2 = matvec(w, x)  # [rows, n]
+                torch.set_num_threads(1)
+                y1 = matvec(w, x)
+                ref = x.float() @ w.float().T
+                torch.testing.assert_close(y2, ref, atol=1e-4 * k**0.5, rtol=1e-5)
+                assert torch.equal(y1, y2)
     finally:
         torch.set_num_threads(threads)
 
 
 def test_bf16_matvec_kernel_takes_and_returns_bf16_exactly() -> None:
-    """bf16 rows in and a bf16 result out give the same bits as casting around the call."""
+    """bf16 rows in: the same values as fp32 rows up to summation order (bit for bit where
+    both take the AVX2 path); a bf16 result out: the same bits as rounding the fp32 result."""
     matvec = own_kernels().matvec
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 576, generator=g).bfloat16()
     for rows in (1, 5, 16):
         x = torch.randn(rows, 576, generator=g).bfloat16()
-        ref = matvec(w, x.float(), False)  # [rows, 300] fp32
-        assert torch.equal(matvec(w, x, False), ref)
+        ref = matvec(w, x, False)  # [rows, 300] fp32
+        widened = matvec(w, x.float(), False)
+        if own_avx512_bf16():
+            torch.testing.assert_close(ref, widened, atol=1e-4 * 576**0.5, rtol=1e-5)
+        else:
+            assert torch.equal(ref, widened)
         out = matvec(w, x, True)
         assert out.dtype == torch.bfloat16 and torch.equal(out, ref.bfloat16())
+
+
+def test_avx512_bf16_product_of_a_row_does_not_depend_on_the_other_rows() -> None:
+    """On the AVX512-BF16 path every row is summed the same way whatever the row count: a
+    sequence's bf16 products in a verify step or a batch equal its products alone."""
+    own_kernels()
+    if not own_avx512_bf16():
+        pytest.skip("this CPU has no AVX512-BF16: the own product takes its AVX2 path")
+    matvec, avx2 = own_kernels().matvec, matvec_avx2()
+    assert avx2 is not None
+    g = torch.Generator().manual_seed(1)
+    for n, k in [(200, 576), (64, 1536), (33, 40)]:
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(19, k, generator=g).bfloat16()
+        alone = torch.cat([matvec(w, x[i : i + 1]) for i in range(19)])  # [19, n]
+        for rows in (2, 5, 8, 13, 19):
+            assert torch.equal(matvec(w, x[:rows]), alone[:rows])
+        # the AVX2 path (bf16 rows widened) is the other summation order of the same products
+        torch.testing.assert_close(avx2(w, x), alone, atol=1e-4 * k**0.5, rtol=1e-5)
+        assert torch.equal(avx2(w, x), matvec(w, x.float()))
 
 
 def test_own_product_takes_at_most_matvec_rows_rows_and_torch_the_rest() -> None:

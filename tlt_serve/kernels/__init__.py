@@ -1,7 +1,8 @@
 """Optional CPU kernels, compiled on first use with the machine's C++ compiler.
 
-``cpu_kernels()`` returns the kernels of ``bf16_gemv.cpp`` (AVX2): the bf16 matrix × rows
-product, the RMSNorm, the one-query (decode) attention; or None when they cannot be had (no
+``cpu_kernels()`` returns the kernels of ``bf16_gemv.cpp`` (AVX2; the product of bf16 rows
+takes AVX512-BF16 dot products where the CPU has them): the bf16 matrix × rows product, the
+RMSNorm, the one-query (decode) attention; or None when they cannot be had (no
 AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``); callers then use
 torch's own kernels, so nothing depends on them for correctness. The build
 (~40 s) is cached by torch in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
@@ -34,8 +35,12 @@ DecodeAttention = Callable[
 # (AVX512-BF16 / AMX, oneDNN) torch's is flat up to ~16 rows and wins from ~8 (measured on
 # the default model's projections: 8 rows 16-20 vs 18 ms, 16 rows 25-27 vs 33, 64 rows 62 vs
 # 124 ms on an AVX512-BF16 EPYC, 2 threads).
+# With AVX512-BF16 the own product of bf16 rows (dot-product instructions) beats torch's up to
+# ~24 rows (measured with ``benchmarks/kernel_rows.py`` on a Zen 4 EPYC, 2 threads: 8 rows 11-12
+# vs 16-20 ms, 16 rows 19-20 vs 22-26, 32 rows 33-35 vs 31-39).
 MATVEC_ROWS = 128
 MATVEC_ROWS_NATIVE_BF16 = 8
+MATVEC_ROWS_AVX512_BF16 = 16
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,24 @@ def cpu_kernels() -> CpuKernels | None:
     module = _module()
     if module is None:
         return None
-    rows = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS
+    if module.avx512_bf16():  # the own bf16 product has dot-product instructions too
+        rows = MATVEC_ROWS_AVX512_BF16
+    else:
+        rows = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS
     return CpuKernels(module.gemv_bf16, module.rms_norm_bf16, module.decode_attention_bf16, rows)
+
+
+def matvec_avx2() -> MatVec | None:
+    """The own product on its AVX2 path whatever the CPU (bf16 rows widened to fp32): what
+    ``matvec`` was before its AVX512-BF16 path, kept for side-by-side comparisons."""
+    module = _module()
+    return None if module is None else module.gemv_bf16_avx2
+
+
+def own_avx512_bf16() -> bool:
+    """Whether the own product multiplies bf16 rows with AVX512-BF16 dot products here."""
+    module = _module()
+    return module is not None and bool(module.avx512_bf16())
 
 
 def native_bf16_gemm() -> bool:
