@@ -344,3 +344,49 @@ def test_bf16_model_with_kernels_tracks_fp32(tiny_model_dir) -> None:
         )
         outs.append(m.logits(out.hidden[:, 0]))  # single row: the matvec path when built
     assert (outs[0] - outs[1]).abs().max() < 0.5
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_packed_batch_computes_real_tokens_only_and_matches_padded(
+    tiny_model_factory, model_type: str
+) -> None:
+    """A ragged batch (prefill of prompts of different lengths, then a verify-like extension
+    of 4, 1 and 0 drafts) run packed gives the padded run's hidden states, aux layers and KV
+    at every real position, and zeros at padding; the projections see only the real rows."""
+    from tlt_serve.engine.runner import extend_batch
+
+    model = build_model(tiny_model_factory(model_type), torch.float32, 64)
+    g = torch.Generator().manual_seed(3)
+    vocab = model.cfg.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 2, 5)]
+    drafts = [[11, 12, 13, 14], [15], []]
+    outs, caches, rows = [], [], []
+
+    def count_rows(_m: torch.nn.Module, args: tuple[torch.Tensor], _out: torch.Tensor) -> None:
+        rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0])
+
+    for pack in (False, True):
+        kv = KVCache(model.cfg, rows=3, max_len=32, dtype=torch.float32)
+        fb1, ids = extend_batch(kv, 0, [0, 0, 0], prompts, pack=pack)
+        assert (fb1.packed is not None) == pack
+        first = model(ids, fb1, kv.layers, aux_layers=(0, 1))
+        starts = [len(p) for p in prompts]
+        fb2, ids = extend_batch(kv, 0, starts, [[1, *d] for d in drafts], pack=pack)
+        rows.clear()
+        hook = model.layers[0].mlp.down_proj.register_forward_hook(count_rows)
+        second = model(ids, fb2, kv.layers, aux_layers=(0, 1))
+        hook.remove()
+        assert rows == [1 + 4 + 1 + 1 + 1 if pack else 3 * 5]  # 8 real tokens vs 15
+        outs.append((first, second))
+        caches.append(kv.storage.clone())
+    (padded1, padded2), (packed1, packed2) = outs
+    steps = ((padded1, packed1, prompts), (padded2, packed2, [[1, *d] for d in drafts]))
+    for padded, packed, toks in steps:
+        pairs = zip((padded.hidden, *padded.aux), (packed.hidden, *packed.aux), strict=True)
+        for t_padded, t_packed in pairs:
+            for b, t in enumerate(toks):
+                torch.testing.assert_close(t_packed[b, : len(t)], t_padded[b, : len(t)])
+                assert not t_packed[b, len(t) :].any()  # padding: zeros
+    # the real KV columns are equal; padding went to the scratch column in both runs
+    for b, n in enumerate(len(p) + 1 + len(d) for p, d in zip(prompts, drafts, strict=True)):
+        torch.testing.assert_close(caches[1][:, :, b, :, :n], caches[0][:, :, b, :, :n])

@@ -115,7 +115,7 @@ def target_features(
         group = [sequences[i] for i in order[lo:hi]]
         max_len = max(len(s) for s in group)
         kv = KVCache(model.cfg, len(group), max_len, dtype, device)
-        fb, ids = extend_batch(kv, 0, [0] * len(group), group, device)
+        fb, ids = extend_batch(kv, 0, [0] * len(group), group, device, pack=True)
         hidden = model(ids, fb, kv.layers).hidden  # [B, Q, H]
         for b, i in enumerate(order[lo:hi]):
             out[i] = hidden[b, : len(sequences[i])].clone()  # [L, H]

@@ -47,7 +47,9 @@ class ModelRunner:
         else:
             starts = [r.num_tokens - 1 for r in batch.forward]
             tokens = [[r.last_token] for r in batch.forward]
-        fb, input_ids = extend_batch(self.kv, batch.forward[0].row, starts, tokens, self.device)
+        fb, input_ids = extend_batch(
+            self.kv, batch.forward[0].row, starts, tokens, self.device, pack=True
+        )
         out = self.model(input_ids, fb, self.kv.layers, self.aux_layers)
         for src, dst, length in batch.copies:
             self.kv.copy_row(src, dst, length)
@@ -64,12 +66,18 @@ class ModelRunner:
         starts = [r.num_tokens - 1 for r in reqs]
         tokens = [[r.last_token, *t.tokens] for r, t in zip(reqs, trees, strict=True)]
         fb, input_ids = extend_batch(
-            self.kv, reqs[0].row, starts, tokens, self.device, trees=trees
+            self.kv, reqs[0].row, starts, tokens, self.device, trees=trees, pack=True
         )
         out = self.model(input_ids, fb, self.kv.layers, self.aux_layers)
-        F, Q, H = out.hidden.shape
-        logits = self.model.logits(out.hidden.reshape(F * Q, H)).view(F, Q, -1)  # [F, Q, V]
-        return RunOutput(logits=logits, hidden=out.hidden, aux=out.aux)
+        return RunOutput(logits=self._all_logits(out.hidden, fb), hidden=out.hidden, aux=out.aux)
+
+    def _all_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """hidden [F, Q, H] → logits [F, Q, V] of every real position (padding: zeros)."""
+        F, Q, H = hidden.shape
+        flat = hidden.reshape(F * Q, H)
+        if fb.packed is None:
+            return self.model.logits(flat).view(F, Q, -1)
+        return fb.unpack(self.model.logits(flat.index_select(0, fb.packed)))  # [F, Q, V]
 
     def keep_path(self, req: Request, start: int, path: list[int]) -> None:
         """Move the KV of an accepted tree path (node indices, root first) to the columns
@@ -91,11 +99,9 @@ class ModelRunner:
         """
         starts = [r.num_tokens - 1 for r in reqs]
         tokens = [[r.last_token, *d] for r, d in zip(reqs, drafts, strict=True)]
-        fb, input_ids = extend_batch(self.kv, reqs[0].row, starts, tokens, self.device)
+        fb, input_ids = extend_batch(self.kv, reqs[0].row, starts, tokens, self.device, pack=True)
         out = self.model(input_ids, fb, self.kv.layers, self.aux_layers)
-        F, Q, H = out.hidden.shape
-        logits = self.model.logits(out.hidden.reshape(F * Q, H)).view(F, Q, -1)  # [F, Q, V]
-        return RunOutput(logits=logits, hidden=out.hidden, aux=out.aux)
+        return RunOutput(logits=self._all_logits(out.hidden, fb), hidden=out.hidden, aux=out.aux)
 
 
 def extend_batch(
@@ -105,6 +111,7 @@ def extend_batch(
     tokens: list[list[int]],
     device: str = "cpu",
     trees: list[DraftTree] | None = None,
+    pack: bool = False,
 ) -> tuple[ForwardBatch, torch.Tensor]:
     """Rows ``row_lo..`` of ``kv`` get ``tokens[b]`` in columns ``starts[b]..``, attending
     to their first ``starts[b]`` cached columns and causally to each other.
@@ -113,7 +120,8 @@ def extend_batch(
     drafts) and drafter catch-up. With ``trees`` (tree verification: ``tokens[b]`` = root +
     the tree's nodes) token i sits at position ``start + depth(i)`` and attends to its
     ancestors instead of to every earlier token. Returns the batch and input ids [B, Q],
-    right-padded.
+    right-padded. ``pack``: a batch with padding names its real tokens (``packed``), so a
+    model computes only those (the caller must then read only real positions).
     """
     B = len(tokens)
     lens = torch.tensor([len(t) for t in tokens])  # [B]
@@ -150,6 +158,7 @@ def extend_batch(
         None if mask is None else mask.to(device),
         kv_len,
         end.to(device) if Q == 1 and trees is None else None,  # [B] decode: keys [0, end)
+        real.view(-1).nonzero().squeeze(1).to(device) if pack and not bool(real.all()) else None,
     )
     return fb, ids.to(device)
 

@@ -40,7 +40,7 @@ DecodeAttention = Callable[
 # vs 16-20 ms, 16 rows 19-20 vs 22-26, 32 rows 33-35 vs 31-39).
 MATVEC_ROWS = 128
 MATVEC_ROWS_NATIVE_BF16 = 8
-MATVEC_ROWS_AVX512_BF16 = 16
+MATVEC_ROWS_AVX512_BF16 = 32
 
 
 @dataclass(frozen=True)

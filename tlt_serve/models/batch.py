@@ -28,6 +28,11 @@ class ForwardBatch:
     - ``kv_lens`` [B] long or None: set for a decode batch (one query per row, plain causal
       attention): row b's query sees exactly key columns ``[0, kv_lens[b])``, what the decode
       attention kernel reads instead of the mask.
+    - ``packed`` [R] long or None: flat indices into the B * Q tokens of the R real ones, set
+      when the batch has padding and its maker asked for packing. The model then runs every
+      per-token op (embedding, norms, projections, MLP) on the R real tokens only and pads
+      just around attention; padding positions of its outputs are zeros. A verify step whose
+      rows drafted 4, 1 and 0 tokens computes 8 rows, not 15.
     """
 
     row_lo: int
@@ -36,10 +41,19 @@ class ForwardBatch:
     mask: torch.Tensor | None
     kv_len: int
     kv_lens: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return int(self.positions.shape[0])
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, ...] per real token → [B, Q, ...] with zeros at padding (identity if unpacked)."""
+        if self.packed is None:
+            return x
+        B, Q = self.positions.shape
+        full = x.new_zeros(B * Q, *x.shape[1:])  # [B * Q, ...]
+        return full.index_copy_(0, self.packed, x).view(B, Q, *x.shape[1:])
 
 
 def flat_write_index(

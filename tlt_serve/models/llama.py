@@ -107,9 +107,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: KVLayer, batch: ForwardBatch, kv: KVLayer
     ) -> torch.Tensor:
         cfg = self.cfg
-        B, Q, _ = x.shape
+        B, Q = batch.positions.shape  # x: [B, Q, H], or [R, H] real tokens (batch.packed)
         D, kvH, G = cfg.head_dim, cfg.num_kv_heads, self.group
-        qk, v = self.qkv_proj(x).split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        qkv = batch.unpack(self.qkv_proj(x))  # [B, Q, q + 2 kv]
+        qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
         qk = qk.view(B, Q, kvH * G + kvH, D)  # q heads then k heads
         v = v.view(B, Q, kvH, D)
         if cfg.qk_norm:
@@ -150,6 +151,8 @@ class Attention(nn.Module):
         if Q == 1:
             return self.o_proj(out.reshape(B, 1, cfg.q_size))
         out = out.view(B, kvH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, cfg.q_size)
+        if batch.packed is not None:
+            out = out.view(B * Q, cfg.q_size).index_select(0, batch.packed)  # [R, q]
         return self.o_proj(out)
 
 
@@ -210,8 +213,13 @@ class LlamaModel(nn.Module):
         kv_layers: Sequence[KVLayer],
         aux_layers: Sequence[int] = (),
     ) -> ModelOutput:
-        """input_ids [B, Q] → hidden [B, Q, H]; writes the new K/V of every layer."""
-        x = self.embed_tokens(input_ids)  # [B, Q, H]
+        """input_ids [B, Q] → hidden [B, Q, H]; writes the new K/V of every layer. With
+        ``batch.packed`` the layers run on the real tokens only ([R, H]) and padding
+        positions of the outputs are zeros."""
+        if batch.packed is not None:
+            x = self.embed_tokens(input_ids.view(-1).index_select(0, batch.packed))  # [R, H]
+        else:
+            x = self.embed_tokens(input_ids)  # [B, Q, H]
         table: torch.Tensor = self.rope_table  # type: ignore[assignment]  # a registered buffer
         cs = table[batch.positions].to(x.dtype)  # [B, Q, 2, D]
         rope = (cs[:, :, 0:1], cs[:, :, 1:2])  # each [B, Q, 1, D]
@@ -220,7 +228,9 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, batch, kv_layers[i])  # type: ignore[operator]
             if i in aux_layers:
                 aux.append(x)
-        return ModelOutput(hidden=self.norm(x), aux=tuple(aux))
+        return ModelOutput(
+            hidden=batch.unpack(self.norm(x)), aux=tuple(batch.unpack(a) for a in aux)
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] → logits [N, V] in fp32."""
