@@ -250,7 +250,7 @@ def test_both_prompt_sources_alternate_so_the_heldout_tail_holds_each(
     cfg = config_from_args(build_parser().parse_args(argv))
     data = warmup_module.collect(cfg, sharp_model_dir, {})
     tok = load_tokenizer(sharp_model_dir)
-    is_written = ["written number" in tok.hf.decode(p) for p in data.prompts]
+    is_written = ["written number" in tok.decode(p) for p in data.prompts]
     assert asked == [4] and len(data.responses) == 9
     assert is_written == [False, True] * 4 + [False]
     assert all(len(r) >= 1 for r in data.responses)

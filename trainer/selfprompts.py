@@ -74,7 +74,7 @@ def self_prompts(
         ids = [tokenizer.encode(prefix + o) for o in openers]
         results = llm.generate(ids, params, use_tqdm=True)
         for opener, r in zip(openers, results, strict=True):
-            text = opener + tokenizer.hf.decode(r.samples[0].token_ids, skip_special_tokens=True)
+            text = opener + tokenizer.decode(r.samples[0].token_ids)
             text = text.strip()
             ended = r.samples[0].finish is not None and r.samples[0].finish.type == "stop"
             if ended and len(r.samples[0].token_ids) >= MIN_TOKENS and text not in seen:

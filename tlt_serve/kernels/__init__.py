@@ -38,8 +38,7 @@ DecodeAttention = Callable[
 # With AVX512-BF16 the own product of bf16 rows (dot-product instructions) beats torch's up to
 # ~24-32 rows (``benchmarks/kernel_rows.py`` on a Zen 4 EPYC, 2 threads: 8 rows 11-12 vs 16-20
 # ms, 16 rows 19-20 vs 22-26, 32 rows 33-35 vs 31-39); in one engine, plain decoding at batch
-# 24 / 32 ran +12% / +8% faster with a limit of 32 than of 16 (torch's also pays a first call
-# per new row count).
+# 24 / 32 ran +12% / +8% faster with a limit of 32 than of 16.
 MATVEC_ROWS = 128
 MATVEC_ROWS_NATIVE_BF16 = 8
 MATVEC_ROWS_AVX512_BF16 = 32
@@ -79,7 +78,7 @@ def cpu_kernels() -> CpuKernels | None:
     module = _module()
     if module is None:
         return None
-    if module.avx512_bf16():  # the own bf16 product has dot-product instructions too
+    if own_avx512_bf16():
         rows = MATVEC_ROWS_AVX512_BF16
     else:
         rows = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS

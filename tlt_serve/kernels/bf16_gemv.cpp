@@ -180,13 +180,21 @@ TLT_AVX512BF16 static void rows_block_bf16(const uint16_t* w, const uint16_t* xv
   }
 }
 
-static bool cpu_has_avx512_bf16() {
+bool avx512_bf16() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512bf16");
   return has;
 }
 
-bool avx512_bf16() { return cpu_has_avx512_bf16(); }
+// Weight rows [0, N) split over threads, each thread walking its rows in tiles of 64.
+template <typename X, typename Block>
+static void over_tiles(Block block, const uint16_t* w, const X* xv, float* out, int64_t M,
+                       int64_t N, int64_t K) {
+  constexpr int64_t tile = 64;
+  at::parallel_for(0, N, tile, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n += tile) block(w, xv, out, M, N, K, n, std::min(end, n + tile));
+  });
+}
 
 // x: [M, K] fp32 or bf16 (any M >= 1) or [K]; returns [M, N] (or [N]) fp32. Weight rows are
 // split over threads; each thread walks its rows in tiles of 64 (<= 64 x K bf16, L2-resident)
@@ -211,21 +219,13 @@ torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x
   auto y = x_in.dim() == 1 ? torch::empty({N}, opts) : torch::empty({M, N}, opts);
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   float* out = y.data_ptr<float>();
-  constexpr int64_t tile = 64;
-  if (!avx2_only && x_in.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16()) {
+  if (!avx2_only && x_in.scalar_type() == at::kBFloat16 && avx512_bf16()) {
     const auto x = x_in.contiguous();
     const auto* xv = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    at::parallel_for(0, N, tile, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; n += tile)
-        rows_block_bf16(w, xv, out, M, N, K, n, std::min(end, n + tile));
-    });
+    over_tiles(rows_block_bf16, w, xv, out, M, N, K);
   } else {
     const auto x = x_in.to(at::kFloat).contiguous();
-    const float* xv = x.data_ptr<float>();
-    at::parallel_for(0, N, tile, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; n += tile)
-        rows_block(w, xv, out, M, N, K, n, std::min(end, n + tile));
-    });
+    over_tiles(rows_block, w, x.data_ptr<float>(), out, M, N, K);
   }
   return out_bf16 ? y.to(at::kBFloat16) : y;
 }
