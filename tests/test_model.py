@@ -254,31 +254,44 @@ def test_bf16_rms_norm_kernel_is_hf_order() -> None:
 
 
 @pytest.mark.parametrize("G", [1, 3])
-def test_decode_attention_kernel_matches_sdpa(G: int) -> None:
-    """One query per row over rows of different lengths (row b sees columns [0, lens[b])),
-    GQA groups of G, a batch that starts past row 0 of the cache; against fp32 SDPA."""
+def test_attention_kernel_matches_sdpa(G: int) -> None:
+    """Query tokens of rows of different lengths (query (b, j) sees columns [0, lens[b, j]);
+    0: a padding query, zeros), GQA groups of G, a batch that starts past row 0 of the cache;
+    against fp32 SDPA. A query's output does not depend on the batch it is computed in."""
     kernels = own_kernels()
     g = torch.Generator().manual_seed(G)
-    S, kvH, L, D, row_lo, B = 6, 2, 300, 64, 1, 4
+    S, kvH, L, D, row_lo, B, Q = 6, 2, 300, 64, 1, 4, 3
     k_cache = torch.randn(S, kvH, L, D, generator=g).bfloat16()
     v_cache = torch.randn(S, kvH, L, D, generator=g).bfloat16()
-    q = torch.randn(B, kvH, G, D, generator=g).bfloat16()
-    lens = torch.tensor([1, 7, 300, 129])
+    q = torch.randn(B, Q, kvH, G, D, generator=g).bfloat16()
+    lens = torch.tensor([[1, 0, 0], [5, 6, 7], [298, 299, 300], [129, 130, 0]])
     out = kernels.attention(q, k_cache, v_cache, row_lo, lens, D**-0.5)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     for b in range(B):
-        n = int(lens[b])
-        keys = k_cache[row_lo + b, :, :n].float()  # [kvH, n, D]
-        values = v_cache[row_lo + b, :, :n].float()
-        ref = torch.nn.functional.scaled_dot_product_attention(q[b].float(), keys, values)
-        torch.testing.assert_close(out[b].float(), ref, atol=1e-2, rtol=1e-2)
+        for j in range(Q):
+            n = int(lens[b, j])
+            if n == 0:
+                assert not out[b, j].any()
+                continue
+            keys = k_cache[row_lo + b, :, :n].float()  # [kvH, n, D]
+            values = v_cache[row_lo + b, :, :n].float()
+            ref = torch.nn.functional.scaled_dot_product_attention(q[b, j].float(), keys, values)
+            torch.testing.assert_close(out[b, j].float(), ref, atol=1e-2, rtol=1e-2)
+            # The same query alone (a decode step) gets exactly the same output.
+            alone = kernels.attention(
+                q[b : b + 1, j : j + 1], k_cache, v_cache, row_lo + b, lens[b : b + 1, j : j + 1],
+                D**-0.5,
+            )
+            assert torch.equal(alone[0, 0], out[b, j])
     with pytest.raises(RuntimeError, match="lens out of range"):
-        kernels.attention(q, k_cache, v_cache, row_lo, torch.tensor([1, 2, 0, 3]), 1.0)
+        kernels.attention(q, k_cache, v_cache, row_lo, lens.clamp(max=L) + 1, 1.0)
+    with pytest.raises(RuntimeError, match="one entry per query"):
+        kernels.attention(q, k_cache, v_cache, row_lo, lens[:, 0], 1.0)
     with pytest.raises(RuntimeError, match="rows out of range"):
         kernels.attention(q, k_cache, v_cache, 3, lens, 1.0)
 
 
-def test_decode_attention_kernel_is_used_only_within_its_limits(tiny_model_dir) -> None:
+def test_attention_kernel_is_used_only_within_its_limits(tiny_model_dir) -> None:
     """head_dim a multiple of 8 up to 256, up to 16 query heads per KV head: other shapes keep
     torch's attention (the kernel would refuse them mid-request)."""
     from tlt_serve.models.arch import ArchConfig
@@ -291,11 +304,11 @@ def test_decode_attention_kernel_is_used_only_within_its_limits(tiny_model_dir) 
     for head_dim, heads, kv_heads, fits in shapes:
         attn = Attention(replace(cfg, head_dim=head_dim, num_heads=heads, num_kv_heads=kv_heads))
         set_cpu_kernels(attn, kernels)
-        assert (attn.decode_kernel is not None) == fits, (head_dim, heads, kv_heads)
+        assert (attn.kernel is not None) == fits, (head_dim, heads, kv_heads)
 
 
 @torch.inference_mode()
-def test_decode_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> None:
+def test_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> None:
     """A bf16 decode batch of rows with different lengths: logits with the kernel equal those
     of torch's masked SDPA within bf16 rounding."""
     from tlt_serve.engine.runner import extend_batch
@@ -313,7 +326,7 @@ def test_decode_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> No
     batch, ids = extend_batch(kv, 0, [0, 0, 0], prompts)
     model(ids, batch, kv.layers)
     batch, ids = extend_batch(kv, 0, [5, 9, 2], [[1], [2], [3]])
-    assert batch.kv_lens is not None and batch.kv_lens.tolist() == [6, 10, 3]
+    assert batch.kv_lens is not None and batch.kv_lens.tolist() == [[6], [10], [3]]
     kernel, calls = kernels.attention, []
 
     def counted(*args: object) -> torch.Tensor:

@@ -19,10 +19,16 @@ from tlt_serve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from tlt_serve.spec.checkpoint import DrafterError
 
 
-def make_llm(path: Path, spec: SpecConfig | None = None, rows: int = 8, max_len: int = 256) -> LLM:
+def make_llm(
+    path: Path,
+    spec: SpecConfig | None = None,
+    rows: int = 8,
+    max_len: int = 256,
+    dtype: str = "float32",
+) -> LLM:
     return LLM(
         config=EngineConfig(
-            model=ModelConfig(model=str(path), dtype="float32", max_model_len=max_len),
+            model=ModelConfig(model=str(path), dtype=dtype, max_model_len=max_len),
             cache=CacheConfig(max_num_seqs=rows),
             spec=spec or SpecConfig(),
         )
@@ -86,6 +92,33 @@ def test_greedy_output_and_logprobs_equal_plain_decoding(tiny_model_dir, drafter
     assert sum(c.verify_ct for c in counts) > 0
     assert all(c.accepted <= c.drafted for c in counts)
     assert stats.generated_tokens == 2 * sum(p.max_new_tokens for p in params)
+
+
+def test_bf16_greedy_with_the_own_kernels_is_bitwise_plain_decoding(
+    tiny_model_dir, drafters
+) -> None:
+    """In bf16 a token scored in a verify step (several tokens per row) gets exactly what a
+    decode step (one per row) gives it: every per-token op is row-wise, and the own attention
+    and the own AVX512-BF16 product compute a row the same way in any batch. So speculation
+    is exact in bf16 too, tokens and logprobs, while the verify rows fit the own product.
+    (The AVX2 product sums 1, 2-4 and 5-8 rows in different orders: no such guarantee.)"""
+    from tlt_serve.kernels import cpu_kernels, own_avx512_bf16
+
+    kernels = cpu_kernels()
+    if kernels is None or kernels.attention is None or not own_avx512_bf16():
+        pytest.skip("needs the own kernels with the AVX512-BF16 product (row-invariant)")
+    if kernels.matvec_rows < 5 * 5:
+        pytest.skip("verify rows (5 requests x 5 tokens) exceed the own product's limit here")
+    params = varied_params()
+    plain = make_llm(tiny_model_dir, dtype="bfloat16").generate(PROMPTS, params)
+    for name in ("ngram", "drafter-plain"):
+        llm = make_llm(tiny_model_dir, spec_configs(drafters, max_batch=8)[name], dtype="bfloat16")
+        got = llm.generate(PROMPTS, params)
+        assert llm.engine.stats.spec_accepted > 0, name
+        for ref, out in zip(plain, got, strict=True):
+            r, o = ref.samples[0], out.samples[0]
+            assert o.token_ids == r.token_ids, name
+            assert torch.equal(torch.tensor(o.logprobs), torch.tensor(r.logprobs)), name
 
 
 def test_switching_on_and_off_mid_generation_stays_exact(tiny_model_dir, drafters) -> None:

@@ -157,7 +157,8 @@ def extend_batch(
         index.to(device),
         None if mask is None else mask.to(device),
         kv_len,
-        end.to(device) if Q == 1 and trees is None else None,  # [B] decode: keys [0, end)
+        # [B, Q] causal rows: query j of row b sees keys [0, start_b + j + 1); padding none
+        None if trees is not None else torch.where(real, start + cols + 1, 0).to(device),
         real.view(-1).nonzero().squeeze(1).to(device) if pack and not bool(real.all()) else None,
     )
     return fb, ids.to(device)

@@ -2,9 +2,9 @@
 
 ``cpu_kernels()`` returns the kernels of ``bf16_gemv.cpp`` (AVX2; the product of bf16 rows
 takes AVX512-BF16 dot products where the CPU has them): the bf16 matrix × rows product, the
-RMSNorm, the one-query (decode) attention; or None when they cannot be had (no
-AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``); callers then use
-torch's own kernels, so nothing depends on them for correctness. The build
+RMSNorm, the attention of a few causal query tokens per row (decode, verify); or None when
+they cannot be had (no AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``);
+callers then use torch's own kernels, so nothing depends on them for correctness. The build
 (~40 s) is cached by torch in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
 """
 
@@ -24,8 +24,9 @@ log = logging.getLogger("tlt_serve.kernels")
 # (weight [N, K] bf16, x [M, K] fp32 or bf16, out_bf16) → [M, N] fp32 (bf16 if out_bf16)
 MatVec = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-# (q [B, kvH, G, D], k_cache, v_cache [S, kvH, L, D], row_lo, lens [B], scale) → [B, kvH, G, D]
-DecodeAttention = Callable[
+# (q [B, Q, kvH, G, D], k_cache, v_cache [S, kvH, L, D], row_lo, lens [B, Q], scale)
+#   → [B, Q, kvH, G, D]; query (b, j) sees key columns [0, lens[b, j])
+RowAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, float], torch.Tensor
 ]
 
@@ -51,7 +52,7 @@ class CpuKernels:
 
     matvec: MatVec | None  # bf16 weight [N, K] × rows [M, K] → [M, N], fp32 accumulation
     norm: NormKernel | None  # RMSNorm of bf16 rows, HF's rounding order
-    attention: DecodeAttention | None  # one query token per row over its cached keys
+    attention: RowAttention | None  # a few causal query tokens per row over its cached keys
     matvec_rows: int = MATVEC_ROWS  # products of more rows use torch's
 
 
@@ -82,7 +83,7 @@ def cpu_kernels() -> CpuKernels | None:
         rows = MATVEC_ROWS_AVX512_BF16
     else:
         rows = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS
-    return CpuKernels(module.gemv_bf16, module.rms_norm_bf16, module.decode_attention_bf16, rows)
+    return CpuKernels(module.gemv_bf16, module.rms_norm_bf16, module.attention_bf16, rows)
 
 
 def matvec_avx2() -> MatVec | None:

@@ -25,9 +25,10 @@ class ForwardBatch:
       ``kv_len`` columns (a decode batch whose sequences have equal length, e.g. batch 1),
       which lets attention skip the mask.
     - ``kv_len``: key columns ``[0, Kv)`` attention reads.
-    - ``kv_lens`` [B] long or None: set for a decode batch (one query per row, plain causal
-      attention): row b's query sees exactly key columns ``[0, kv_lens[b])``, what the decode
-      attention kernel reads instead of the mask.
+    - ``kv_lens`` [B, Q] long or None: set for causal batches (decode, chain verification,
+      prefill, drafter catch-up; not trees): query j of row b sees exactly key columns
+      ``[0, kv_lens[b, j])`` (0 for padding queries), what the attention kernel reads instead
+      of the mask.
     - ``packed`` [R] long or None: flat indices into the B * Q tokens of the R real ones, set
       when the batch has padding and its maker asked for packing. The model then runs every
       per-token op (embedding, norms, projections, MLP) on the R real tokens only and pads

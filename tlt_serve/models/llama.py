@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tlt_serve.kernels import MATVEC_ROWS, CpuKernels, DecodeAttention, MatVec, NormKernel
+from tlt_serve.kernels import MATVEC_ROWS, CpuKernels, MatVec, NormKernel, RowAttention
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.batch import ForwardBatch
 from tlt_serve.models.rope import apply_rope, cos_sin_table
@@ -25,6 +25,9 @@ KVLayer = tuple[torch.Tensor, torch.Tensor]  # K, V, each [S, kvH, L+1, D]
 # kernel multiplies; more rows (prefill) go to the fp32 GEMM (see ``Linear``). Measured on an
 # AVX2 host on the default model's projections: the kernel is 3-6x faster at 1-16 rows, 1.3x
 # at 64, even at 128, slower above. With bf16 GEMM units: ``CpuKernels.matvec_rows``.
+# Most query tokens per row the own attention kernel takes (decode, verify, short drafter
+# catch-ups); longer rows (prefill) go to torch's SDPA, which tiles them.
+KERNEL_MAX_QUERIES = 16
 
 
 class Linear(nn.Linear):
@@ -101,7 +104,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.decode_kernel: DecodeAttention | None = None  # own bf16 kernel (serving only)
+        self.kernel: RowAttention | None = None  # own bf16 kernel (serving only)
 
     def forward(
         self, x: torch.Tensor, rope: KVLayer, batch: ForwardBatch, kv: KVLayer
@@ -123,37 +126,42 @@ class Attention(nn.Module):
         # Write this step's K/V: [B, Q, kvH, D] → [B, kvH, Q, D] rows of the flat cache.
         k_cache.view(-1, D).index_copy_(0, batch.write_index, k.transpose(1, 2).reshape(-1, D))
         v_cache.view(-1, D).index_copy_(0, batch.write_index, v.transpose(1, 2).reshape(-1, D))
-        rows = slice(batch.row_lo, batch.row_lo + B)
-        keys = k_cache[rows, :, : batch.kv_len]  # [B, kvH, Kv, D] (view)
-        values = v_cache[rows, :, : batch.kv_len]
-
-        # Fold the G query heads of each KV head into the length axis: [B, kvH, G*Q, D].
-        mask = batch.mask  # [B, 1, Q, Kv] or None (every query sees all Kv keys)
-        if Q == 1:  # decode: [B, 1, H, D] is already [B, kvH, G, D]; the mask broadcasts
-            q = q.reshape(B, kvH, G, D)
-            if (
-                self.decode_kernel is not None
-                and batch.kv_lens is not None
-                and q.dtype == k_cache.dtype == torch.bfloat16
-                and not torch.is_grad_enabled()
-            ):
-                # Row b attends columns [0, kv_lens[b]): no mask, no view, one call (24 vs
-                # 50-75 us for torch's SDPA at batch 1 and 300 cached tokens here).
-                out = self.decode_kernel(
-                    q, k_cache, v_cache, batch.row_lo, batch.kv_lens, self.scale
-                )  # [B, kvH, G, D]
-                return self.o_proj(out.view(B, 1, cfg.q_size))
+        if (
+            self.kernel is not None
+            and batch.kv_lens is not None
+            and Q <= KERNEL_MAX_QUERIES
+            and q.dtype == k_cache.dtype == torch.bfloat16
+            and not torch.is_grad_enabled()
+        ):
+            # Query j of row b attends columns [0, kv_lens[b, j]): no mask, no view, one call
+            # (24 vs 50-75 us for torch's SDPA at batch 1 and 300 cached tokens here), and a
+            # token gets the same output in a verify step as in a decode step.
+            q5 = q.reshape(B, Q, kvH, G, D)
+            lens = batch.kv_lens  # [B, Q]
+            out = self.kernel(q5, k_cache, v_cache, batch.row_lo, lens, self.scale)
+            out = out.view(B, Q, cfg.q_size)  # [B, Q, kvH * G * D]
         else:
-            q = q.reshape(B, Q, kvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, kvH, G * Q, D)
-            if mask is not None and G > 1:
-                mask = mask.unsqueeze(2).expand(B, 1, G, Q, batch.kv_len).reshape(B, 1, G * Q, -1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        if Q == 1:
-            return self.o_proj(out.reshape(B, 1, cfg.q_size))
-        out = out.view(B, kvH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, cfg.q_size)
+            rows = slice(batch.row_lo, batch.row_lo + B)
+            keys = k_cache[rows, :, : batch.kv_len]  # [B, kvH, Kv, D] (view)
+            values = v_cache[rows, :, : batch.kv_len]
+            out = self._sdpa(q, keys, values, batch.mask)  # [B, Q, q]
         if batch.packed is not None:
             out = out.view(B * Q, cfg.q_size).index_select(0, batch.packed)  # [R, q]
         return self.o_proj(out)
+
+    def _sdpa(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """torch's attention; q [B, Q, kvH * G, D], keys / values [B, kvH, Kv, D], mask
+        [B, 1, Q, Kv] or None → [B, Q, q]. The G query heads of each KV head are folded into
+        the length axis ([B, kvH, G * Q, D]): GQA without expanding K/V."""
+        B, Q = q.shape[:2]
+        kvH, G, D = self.cfg.num_kv_heads, self.group, self.cfg.head_dim
+        q = q.reshape(B, Q, kvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, kvH, G * Q, D)
+        if mask is not None and G > 1:
+            mask = mask.unsqueeze(2).expand(B, 1, G, Q, keys.shape[2]).reshape(B, 1, G * Q, -1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        return out.view(B, kvH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, self.cfg.q_size)
 
 
 class MLP(nn.Module):
@@ -246,8 +254,8 @@ class LlamaModel(nn.Module):
 
 def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
     """Use the own bf16 kernels in ``module`` (None, or a None field: torch's): the product
-    for up to MATVEC_ROWS rows, the RMSNorms, the decode attention (for head_dim a multiple of
-    8 up to 256 and up to 16 query heads per KV head: the kernel's limits)."""
+    for up to MATVEC_ROWS rows, the RMSNorms, the attention of decode and verify rows (for
+    head_dim a multiple of 8 up to 256 and up to 16 query heads per KV head: its limits)."""
     if isinstance(module, LlamaModel):
         module.kernels = kernels  # a drafter loaded for this model uses the same
     for m in module.modules():
@@ -258,7 +266,7 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
             m.kernel = None if kernels is None else kernels.norm
         elif isinstance(m, Attention):
             fits = m.cfg.head_dim % 8 == 0 and m.cfg.head_dim <= 256 and m.group <= 16
-            m.decode_kernel = None if kernels is None or not fits else kernels.attention
+            m.kernel = None if kernels is None or not fits else kernels.attention
 
 
 def set_fp32_copies(module: nn.Module, enabled: bool) -> None:
