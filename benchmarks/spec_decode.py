@@ -2,8 +2,8 @@
 
 Chat/reasoning/code prompts (benchmarks/prompts.py, not the warm-up prompts; each sequence of
 a run its own, each configuration the same ones), same number of new tokens (EOS ignored), at
-each batch size, every configuration measured in turn within
-one run (interleaved over repeats, median taken) and reported as ratios to plain decoding.
+each batch size, every configuration measured in turn within one run (interleaved over
+repeats in alternating order, median taken) and reported as ratios to plain decoding.
 ``ngram`` and ``drafter`` speculate at every batch size (to show where speculation stops
 paying); ``adaptive`` is what the server does by default (``--speculative auto``): speculate
 only while at most ``max_batch`` sequences run.
@@ -106,12 +106,15 @@ def main() -> None:
     first = 1  # prompt 0 warmed up; every later sequence gets a prompt of its own
     for bs in batches:
         runs: dict[str, list[Run]] = {name: [] for name in specs}
-        for _ in range(args.repeats):
+        for rep in range(args.repeats):
             # Fresh prompts per repeat: at T=0 a repeated prompt would let the n-gram proposer
             # copy its earlier output from the engine's index of completed outputs.
             prompts = [tok.apply_chat_template(chat_messages(first + i)) for i in range(bs)]
             first += bs
-            for name, llm in llms.items():
+            # Alternate the order: on this shared machine speed drifts within a run, and a
+            # fixed order would hand the drift to the configurations measured last.
+            order = list(llms.items())
+            for name, llm in order if rep % 2 == 0 else order[::-1]:
                 bar.set_postfix(bs=bs, config=name)
                 runs[name].append(run(llm, prompts, params))
                 bar.update()
