@@ -2,7 +2,9 @@
 
 One bf16 engine on the default model; between rounds its modules are switched to torch's
 kernel for one of: the bf16 products (``matvec``), the RMSNorms (``norm``), the decode
-attention (``attention``), or none (``all``); on CPUs with AVX512-BF16 also ``avx2``: the own
+attention (``attention``), or none (``all``); ``layer``: the same kernels op by op instead of
+the whole-layer kernel (which needs all three, so switching any of them off also runs the
+layers op by op); on CPUs with AVX512-BF16 also ``avx2``: the own
 product on its AVX2 path with the row limit it had there (what it was before its AVX512-BF16
 path). Greedy, ``--new-tokens`` per sequence, EOS
 ignored, fresh prompts every round, configurations interleaved, median tokens/s per batch
@@ -31,7 +33,7 @@ from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
 from tlt_serve.kernels import MATVEC_ROWS_NATIVE_BF16, CpuKernels, matvec_avx2, own_avx512_bf16
 from tlt_serve.models.llama import LlamaModel, set_cpu_kernels
 
-OFF = ("all", "matvec", "norm", "attention")  # "x": everything but x
+OFF = ("all", "layer", "matvec", "norm", "attention")  # "x": everything but x
 
 
 def switch(model: LlamaModel, kernels: CpuKernels, off: str) -> None:
@@ -95,7 +97,8 @@ def main() -> None:
     report = {"model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
               "threads": args.threads, "machine": host(),
               "configs": {"all": "every own kernel",
-                          **{c: f"torch's {c} instead" for c in OFF[1:]},
+                          "layer": "the own kernels op by op, no whole-layer kernel",
+                          **{c: f"torch's {c} instead" for c in OFF[2:]},
                           "avx2": "the own product's AVX2 path (rows <= 8)"},
               "results": results}
     out = Path(args.out)

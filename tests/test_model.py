@@ -334,11 +334,58 @@ def test_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> None:
         return kernel(*args)  # type: ignore[arg-type]
 
     logits = []
-    for k in (counted, None):
-        set_cpu_kernels(model, replace(kernels, attention=k))
+    for k in (counted, None):  # op by op (no whole-layer kernel): attention's own kernel
+        set_cpu_kernels(model, replace(kernels, attention=k, layer=None))
         logits.append(model.logits(model(ids, batch, kv.layers).hidden[:, 0]))
     assert len(calls) == len(attn)  # every layer's decode attention ran in the kernel
     torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.05)
+
+
+@torch.inference_mode()
+def test_whole_layer_kernel_gives_the_op_by_op_layers_bits(tiny_model_dir) -> None:
+    """The same forwards through two copies of a bf16 model, one with the whole-layer kernel
+    and one op by op (the same product, norm and attention kernels): a prefill of prompts of
+    different lengths (padding tokens), a decode step, a packed verify step of ragged drafts.
+    Every real position's hidden state and every cache entry is the same bits."""
+    from tlt_serve.engine.runner import extend_batch
+    from tlt_serve.models.llama import DecoderLayer
+
+    models = [build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True) for _ in range(2)]
+    kernels = models[0].kernels
+    if kernels is None or kernels.layer is None:
+        pytest.skip("no AVX2 CPU or no compiler: the kernels are optional")
+    set_cpu_kernels(models[1], replace(kernels, layer=None))
+    layers = [m for m in models[0].modules() if isinstance(m, DecoderLayer)]
+    assert layers and all(m.kernel is not None for m in layers)
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return kernels.layer(x, *args)  # type: ignore[misc]
+
+    for m in layers:
+        m.kernel = counted
+    caches = [KVCache(m.cfg, rows=3, max_len=32, dtype=torch.bfloat16) for m in models]
+    g = torch.Generator().manual_seed(0)
+    V = models[0].cfg.vocab_size
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    steps = [
+        ([0, 0, 0], prompts, False),  # prefill: padded rows, not packed
+        ([5, 9, 2], [[1], [2], [3]], False),  # decode
+        ([6, 10, 3], [[4, 5, 6], [7], [8, 9]], True),  # verify: packed ragged rows
+    ]
+    for starts, tokens, pack in steps:
+        hidden = []
+        for model, kv in zip(models, caches, strict=True):
+            batch, ids = extend_batch(kv, 0, starts, tokens, pack=pack)
+            hidden.append(model(ids, batch, kv.layers).hidden)
+        for b, t in enumerate(tokens):
+            assert torch.equal(hidden[0][b, : len(t)], hidden[1][b, : len(t)]), (starts, b)
+    assert calls and len(calls) == len(steps) * len(layers)
+    assert calls[-1] == 6  # the packed verify step computed its 6 real tokens only
+    ends = [s + len(t) for s, t in zip(steps[-1][0], steps[-1][1], strict=True)]
+    for b, end in enumerate(ends):  # [layers, 2, rows, kvH, max_len + 1, D]
+        assert torch.equal(caches[0].storage[:, :, b, :, :end], caches[1].storage[:, :, b, :, :end])
 
 
 @torch.inference_mode()  # as the engine runs: the kernel is only used without autograd

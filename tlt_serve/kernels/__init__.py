@@ -2,7 +2,8 @@
 
 ``cpu_kernels()`` returns the kernels of ``bf16_gemv.cpp`` (AVX2; the product of bf16 rows
 takes AVX512-BF16 dot products where the CPU has them): the bf16 matrix × rows product, the
-RMSNorm, the attention of a few causal query tokens per row (decode, verify); or None when
+RMSNorm, the attention of a few causal query tokens per row (decode, verify), and all of them
+as one whole decoder layer (``decoder_layer.cpp``); or None when
 they cannot be had (no AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``);
 callers then use torch's own kernels, so nothing depends on them for correctness. The build
 (~40 s) is cached by torch in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
@@ -29,6 +30,10 @@ NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 RowAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, float], torch.Tensor
 ]
+# A whole decoder layer for causal rows (decoder_layer.cpp): (x [R, H], input norm weight or
+# empty, qkv, o, post norm, gate_up, down weights, eps, k_cache, v_cache, rope [B*Q, 2, D],
+# slots [R], lens [B*Q], row_lo, Q, heads, scale) → x [R, H]
+LayerKernel = Callable[..., torch.Tensor]
 
 
 # Most rows the own product multiplies; more go to torch (see ``models.llama.Linear``). Where
@@ -54,6 +59,7 @@ class CpuKernels:
     norm: NormKernel | None  # RMSNorm of bf16 rows, HF's rounding order
     attention: RowAttention | None  # a few causal query tokens per row over its cached keys
     matvec_rows: int = MATVEC_ROWS  # products of more rows use torch's
+    layer: LayerKernel | None = None  # a whole decoder layer in one call (uses all the above)
 
 
 @cache  # one build per process; the compiled module is process-wide by nature
@@ -83,7 +89,10 @@ def cpu_kernels() -> CpuKernels | None:
         rows = MATVEC_ROWS_AVX512_BF16
     else:
         rows = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS
-    return CpuKernels(module.gemv_bf16, module.rms_norm_bf16, module.attention_bf16, rows)
+    return CpuKernels(
+        module.gemv_bf16, module.rms_norm_bf16, module.attention_bf16, rows,
+        module.decoder_layer_bf16,
+    )
 
 
 def matvec_avx2() -> MatVec | None:
@@ -118,7 +127,7 @@ def _build(openmp: bool) -> Any:
     omp = ["-fopenmp"] if openmp else []
     return load(
         name="tlt_serve_bf16_gemv" + ("_omp" if openmp else ""),
-        sources=[str(Path(__file__).with_name("bf16_gemv.cpp"))],
+        sources=[str(Path(__file__).with_name(f)) for f in ("bf16_gemv.cpp", "decoder_layer.cpp")],
         extra_cflags=["-O3", "-mavx2", "-mfma", *omp],
         extra_ldflags=omp,
         verbose=False,

@@ -3,13 +3,12 @@
 // on AVX2-only CPUs; a step at batch 1 is a chain of such products, so it is worth owning.
 // Rows of W are split over torch's threads by at::parallel_for, which needs this file to be
 // compiled with OpenMP (see tlt_serve/kernels/__init__.py).
-#include <torch/extension.h>
+#include "bf16_kernels.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <cstdint>
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 static inline __m256 load_bf16x8(const uint16_t* p) {
@@ -26,12 +25,6 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-static inline float bf16_to_f32(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // Y[M, N] = X[M, K] · W[N, K]^T for M <= 8 rows: each bf16 weight row is read once and
 // multiplied into all M rows (a verify step at batch 1 scores a handful of tokens, and
@@ -239,14 +232,6 @@ torch::Tensor gemv_bf16_avx2(const torch::Tensor& weight, const torch::Tensor& x
 }
 
 
-static inline uint16_t f32_to_bf16(float f) {
-  // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays NaN.
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // RMSNorm of bf16 rows [R, H] with a bf16 weight [H], in HF's order: normalise in fp32, round
 // to bf16, multiply by the weight, round to bf16. One pass per row instead of the seven ops
@@ -379,49 +364,27 @@ static inline void pv_sum(const float* s, const uint16_t* V, int64_t n, int64_t 
 // batch: a token scored in a verify step gets exactly the output it gets in a decode step.
 // Per layer at 300 cached tokens here: 24 vs 50-75 us for torch's SDPA at batch 1, 238 vs 657
 // us at batch 16.
-torch::Tensor attention_bf16(const torch::Tensor& q_in, const torch::Tensor& k_cache,
-                             const torch::Tensor& v_cache, int64_t row_lo,
-                             const torch::Tensor& lens_in, double scale) {
-  TORCH_CHECK(q_in.dim() == 5 && q_in.scalar_type() == at::kBFloat16, "q must be 5-D bf16");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
-              k_cache.sizes() == v_cache.sizes(), "caches must be equal contiguous 4-D bf16");
-  const auto q = q_in.contiguous();
-  const int64_t B = q.size(0), Q = q.size(1), kvH = q.size(2), G = q.size(3), D = q.size(4);
-  const int64_t L = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(1) == kvH && k_cache.size(3) == D, "q and caches disagree");
-  TORCH_CHECK(D % 8 == 0 && D <= 256 && G <= 16, "head_dim must be a multiple of 8 <= 256, G <= 16");
-  TORCH_CHECK(row_lo >= 0 && row_lo + B <= k_cache.size(0), "rows out of range");
-  const auto lens = lens_in.to(at::kLong).contiguous();
-  TORCH_CHECK(lens.dim() == 2 && lens.size(0) == B && lens.size(1) == Q,
-              "lens must be [B, Q]: one entry per query");
-  const int64_t* lv = lens.data_ptr<int64_t>();
+void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
+                   const int64_t* rows, const int64_t* lens, int64_t T, int64_t kvH, int64_t G,
+                   int64_t D, int64_t L, double scale, uint16_t* ov, int64_t o_stride) {
   int64_t keys = 0;
-  for (int64_t i = 0; i < B * Q; ++i) {
-    TORCH_CHECK(lv[i] >= 0 && lv[i] <= L, "lens out of range");
-    keys += lv[i];
-  }
-  auto out = torch::empty_like(q);
-  const auto* qv = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  auto* ov = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t work = B * Q * kvH;  // (row, query, KV head), in q's order
+  for (int64_t t = 0; t < T; ++t) keys += lens[t];
+  const int64_t work = T * kvH;  // (token, KV head)
   // Small problems (batch 1, short rows) are cheaper on one thread than waking the pool.
   const int64_t grain = keys * kvH * G * D < (1 << 16) ? work : 1;
   at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     float qf[16][256];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t bq = t / kvH, b = bq / Q, h = t % kvH, n = lv[bq];
-      uint16_t* Ot = ov + t * G * D;  // [G, D]
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w / kvH, h = w % kvH, n = lens[t];
+      uint16_t* Ot = ov + t * o_stride + h * G * D;  // [G, D]
       if (n == 0) {
         std::fill(Ot, Ot + G * D, static_cast<uint16_t>(0));
         continue;
       }
-      const uint16_t* K = kc + ((row_lo + b) * kvH + h) * L * D;  // [L, D]
-      const uint16_t* V = vc + ((row_lo + b) * kvH + h) * L * D;
-      const uint16_t* Qh = qv + t * G * D;  // [G, D]
+      const uint16_t* K = kc + (rows[t] * kvH + h) * L * D;  // [L, D]
+      const uint16_t* V = vc + (rows[t] * kvH + h) * L * D;
+      const uint16_t* Qh = qv + t * q_stride + h * G * D;  // [G, D]
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g][d] = bf16_to_f32(Qh[g * D + d]) * static_cast<float>(scale);
       scores.resize(static_cast<size_t>(G * n));
@@ -438,6 +401,42 @@ torch::Tensor attention_bf16(const torch::Tensor& q_in, const torch::Tensor& k_c
       }
     }
   });
+}
+
+void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t kvH,
+                  int64_t G, int64_t D) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+              k_cache.sizes() == v_cache.sizes(), "caches must be equal contiguous 4-D bf16");
+  TORCH_CHECK(k_cache.size(1) == kvH && k_cache.size(3) == D, "q and caches disagree");
+  TORCH_CHECK(D % 8 == 0 && D <= 256 && G <= 16, "head_dim must be a multiple of 8 <= 256, G <= 16");
+}
+
+torch::Tensor attention_bf16(const torch::Tensor& q_in, const torch::Tensor& k_cache,
+                             const torch::Tensor& v_cache, int64_t row_lo,
+                             const torch::Tensor& lens_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 5 && q_in.scalar_type() == at::kBFloat16, "q must be 5-D bf16");
+  const auto q = q_in.contiguous();
+  const int64_t B = q.size(0), Q = q.size(1), kvH = q.size(2), G = q.size(3), D = q.size(4);
+  check_caches(k_cache, v_cache, kvH, G, D);
+  const int64_t L = k_cache.size(2);
+  TORCH_CHECK(row_lo >= 0 && row_lo + B <= k_cache.size(0), "rows out of range");
+  const auto lens = lens_in.to(at::kLong).contiguous();
+  TORCH_CHECK(lens.dim() == 2 && lens.size(0) == B && lens.size(1) == Q,
+              "lens must be [B, Q]: one entry per query");
+  const int64_t* lv = lens.data_ptr<int64_t>();
+  std::vector<int64_t> rows(static_cast<size_t>(B * Q));
+  for (int64_t i = 0; i < B * Q; ++i) {
+    TORCH_CHECK(lv[i] >= 0 && lv[i] <= L, "lens out of range");
+    rows[static_cast<size_t>(i)] = row_lo + i / Q;
+  }
+  auto out = torch::empty_like(q);
+  const int64_t stride = kvH * G * D;  // one query token's heads
+  attend_tokens(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), stride,
+                reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), rows.data(),
+                lv, B * Q, kvH, G, D, L, scale,
+                reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), stride);
   return out;
 }
 
@@ -452,4 +451,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows, fp32 math, HF's rounding order");
   m.def("attention_bf16", &attention_bf16,
         "causal attention of a few query tokens per row over bf16 caches (decode, verify)");
+  m.def("decoder_layer_bf16", &decoder_layer_bf16,
+        "one decoder layer for rows of a few causal query tokens (decoder_layer.cpp)");
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -43,6 +44,15 @@ class ForwardBatch:
     kv_len: int
     kv_lens: torch.Tensor | None = None
     packed: torch.Tensor | None = None
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """[R] long: the slot (b * Q + j) of each token a model computes — the real ones when
+        packed, else all B * Q."""
+        if self.packed is not None:
+            return self.packed
+        B, Q = self.positions.shape
+        return torch.arange(B * Q, device=self.positions.device)
 
     @property
     def batch_size(self) -> int:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tlt_serve.kernels import MATVEC_ROWS, CpuKernels, MatVec, NormKernel, RowAttention
+from tlt_serve.kernels import MATVEC_ROWS, CpuKernels, LayerKernel, MatVec, NormKernel, RowAttention
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.batch import ForwardBatch
 from tlt_serve.models.rope import apply_rope, cos_sin_table
@@ -107,7 +107,7 @@ class Attention(nn.Module):
         self.kernel: RowAttention | None = None  # own bf16 kernel (serving only)
 
     def forward(
-        self, x: torch.Tensor, rope: KVLayer, batch: ForwardBatch, kv: KVLayer
+        self, x: torch.Tensor, rope: torch.Tensor, batch: ForwardBatch, kv: KVLayer
     ) -> torch.Tensor:
         cfg = self.cfg
         B, Q = batch.positions.shape  # x: [B, Q, H], or [R, H] real tokens (batch.packed)
@@ -119,7 +119,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = qk.split([kvH * G, kvH], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        cos, sin = rope  # [B, Q, 1, D]
+        cos, sin = rope[:, :, 0:1], rope[:, :, 1:2]  # [B, Q, 1, D] each
         q, k = apply_rope(qk, cos, sin).split([kvH * G, kvH], dim=2)  # one rotation for both
 
         k_cache, v_cache = kv  # [S, kvH, L+1, D]
@@ -179,16 +179,51 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm: nn.Module = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.kernel: LayerKernel | None = None  # the whole layer in one call (serving only)
+        self.kernel_rows = MATVEC_ROWS  # most tokens it takes (the own product's limit)
 
     def forward(
-        self, x: torch.Tensor, rope: KVLayer, batch: ForwardBatch, kv: KVLayer
+        self, x: torch.Tensor, rope: torch.Tensor, batch: ForwardBatch, kv: KVLayer
     ) -> torch.Tensor:
+        """x [B, Q, H] (or [R, H] real tokens), rope [B, Q, 2, D] (cos, sin) → x'."""
+        if self._kernel_fits(x, batch, kv):
+            return self._kernel_forward(x, rope, batch, kv)
         x = x + self.self_attn(self.input_layernorm(x), rope, batch, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _kernel_fits(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer) -> bool:
+        return (
+            self.kernel is not None
+            and batch.kv_lens is not None  # causal rows, no tree
+            and batch.positions.shape[1] <= KERNEL_MAX_QUERIES
+            and x.numel() // x.shape[-1] <= self.kernel_rows
+            and x.dtype == kv[0].dtype == torch.bfloat16
+            and self.post_attention_layernorm.weight.dtype == torch.bfloat16
+            and not torch.is_grad_enabled()
+        )
+
+    def _kernel_forward(
+        self, x: torch.Tensor, rope: torch.Tensor, batch: ForwardBatch, kv: KVLayer
+    ) -> torch.Tensor:
+        """The same layer as ``forward``'s op-by-op path, same bits, in one call: at batch 1
+        the ~35 torch ops around a layer's four products cost about what the products do."""
+        assert self.kernel is not None and batch.kv_lens is not None
+        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        norm = self.input_layernorm
+        in_norm = norm.weight if isinstance(norm, RMSNorm) else x.new_empty(0)  # empty: identity
+        B, Q = batch.positions.shape
+        H, D = x.shape[-1], attn.cfg.head_dim
+        out = self.kernel(
+            x.reshape(-1, H), in_norm, attn.qkv_proj.weight, attn.o_proj.weight, post.weight,
+            mlp.gate_up_proj.weight, mlp.down_proj.weight, post.eps, kv[0], kv[1],
+            rope.reshape(B * Q, 2, D), batch.slots, batch.kv_lens.view(-1), batch.row_lo, Q,
+            attn.cfg.num_heads, attn.scale,
+        )  # [R, H]
+        return out.view(x.shape)
 
 
 @dataclass(frozen=True)
@@ -229,8 +264,7 @@ class LlamaModel(nn.Module):
         else:
             x = self.embed_tokens(input_ids)  # [B, Q, H]
         table: torch.Tensor = self.rope_table  # type: ignore[assignment]  # a registered buffer
-        cs = table[batch.positions].to(x.dtype)  # [B, Q, 2, D]
-        rope = (cs[:, :, 0:1], cs[:, :, 1:2])  # each [B, Q, 1, D]
+        rope = table[batch.positions].to(x.dtype)  # [B, Q, 2, D] (cos, sin)
         aux = []
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, batch, kv_layers[i])  # type: ignore[operator]
@@ -265,8 +299,29 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
         elif isinstance(m, RMSNorm):
             m.kernel = None if kernels is None else kernels.norm
         elif isinstance(m, Attention):
-            fits = m.cfg.head_dim % 8 == 0 and m.cfg.head_dim <= 256 and m.group <= 16
-            m.kernel = None if kernels is None or not fits else kernels.attention
+            m.kernel = None if kernels is None or not _attention_fits(m) else kernels.attention
+        elif isinstance(m, DecoderLayer):
+            m.kernel = None if kernels is None or not _layer_fits(m, kernels) else kernels.layer
+            m.kernel_rows = MATVEC_ROWS if kernels is None else kernels.matvec_rows
+
+
+def _attention_fits(m: Attention) -> bool:
+    return m.cfg.head_dim % 8 == 0 and m.cfg.head_dim <= 256 and m.group <= 16
+
+
+def _layer_fits(m: DecoderLayer, kernels: CpuKernels) -> bool:
+    """The whole-layer kernel: Llama layers without biases or q/k norms (not Qwen2 / Qwen3),
+    and only with all the kernels it is made of (an A/B switching one off switches it off)."""
+    attn, cfg = m.self_attn, m.self_attn.cfg
+    return (
+        kernels.matvec is not None
+        and kernels.norm is not None
+        and kernels.attention is not None
+        and _attention_fits(attn)
+        and not cfg.attention_bias
+        and not cfg.qk_norm
+        and isinstance(m.input_layernorm, RMSNorm | nn.Identity)
+    )
 
 
 def set_fp32_copies(module: nn.Module, enabled: bool) -> None:

@@ -86,8 +86,7 @@ class DrafterModel(nn.Module):
         emb = self.target.embed_tokens(token_ids).to(features.dtype)  # [B, Q, H]
         x = self.fc(torch.cat([emb, features], dim=-1))  # [B, Q, H]
         table: torch.Tensor = self.target.rope_table  # type: ignore[assignment]  # same rotary
-        cs = table[batch.positions].to(x.dtype)  # [B, Q, 2, D]
-        rope = (cs[:, :, 0:1], cs[:, :, 1:2])
+        rope = table[batch.positions].to(x.dtype)  # [B, Q, 2, D] (cos, sin)
         return self.layers[0](x, rope, batch, kv)  # type: ignore[no-any-return]
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,44 @@
+// Shared by the kernel sources: bf16 <-> fp32 and the entry points one source calls in another.
+#pragma once
+#include <torch/extension.h>
+#include <cstdint>
+#include <cstring>
+
+static inline float bf16_to_f32(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+  // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays NaN.
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// bf16 weight [N, K] x rows [M, K] (fp32 or bf16) -> [M, N] fp32, or bf16 when out_bf16.
+torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x_in, bool out_bf16,
+                             bool avx2_only);
+// RMSNorm of bf16 rows in HF's rounding order.
+torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// Attention of T query tokens: token t (q at q + t * q_stride, kvH x G heads of D) sees key
+// columns [0, lens[t]) of cache row rows[t]; output at out + t * o_stride, bf16.
+void attend_tokens(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
+                   const uint16_t* v_cache, const int64_t* rows, const int64_t* lens, int64_t T,
+                   int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* out,
+                   int64_t o_stride);
+void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t kvH,
+                  int64_t G, int64_t D);
+// One whole decoder layer for causal rows (decoder_layer.cpp).
+torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in_norm,
+                                 const torch::Tensor& qkv_w, const torch::Tensor& o_w,
+                                 const torch::Tensor& post_norm, const torch::Tensor& gate_up_w,
+                                 const torch::Tensor& down_w, double eps,
+                                 const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                 const torch::Tensor& rope, const torch::Tensor& slots,
+                                 const torch::Tensor& lens, int64_t row_lo, int64_t Q,
+                                 int64_t num_heads, double scale);
