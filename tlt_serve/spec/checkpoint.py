@@ -114,7 +114,7 @@ def load_drafter(path: str | Path, target: LlamaModel) -> DrafterModel:
     check_compatible(arch, spec, target.cfg)
     like = target.embed_tokens.weight
     model = DrafterModel(arch, spec, target).to(device=like.device, dtype=like.dtype)
-    tensors = dict(_read_tensors(Path(path)))
+    tensors = dict(read_tensors(Path(path)))
     vocab = tensors.pop("draft_vocab", None)
     if spec.draft_vocab_size:
         if vocab is None or tuple(vocab.shape) != (spec.draft_vocab_size,):
@@ -132,7 +132,8 @@ def load_drafter(path: str | Path, target: LlamaModel) -> DrafterModel:
     return model.eval().requires_grad_(False)
 
 
-def _read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors by name; DrafterError when missing or unreadable."""
     try:
         yield from iter_safetensors(path)
     except FileNotFoundError as err:
@@ -180,12 +181,18 @@ def save_drafter(
     model: DrafterModel, path: str | Path, target_hf: dict[str, Any], spec: DrafterSpec
 ) -> Path:
     """Write a checkpoint directory atomically: a reader sees the old one or the new one."""
-    path = Path(path)
+    config = json.dumps(drafter_hf_config(target_hf, spec), indent=2)
+    return write_dir(Path(path), drafter_tensors(model), config)
+
+
+def write_dir(path: Path, tensors: dict[str, torch.Tensor], config_json: str) -> Path:
+    """``model.safetensors`` + ``config.json`` into ``path``, atomically (written beside,
+    then renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        save_file(drafter_tensors(model), str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(drafter_hf_config(target_hf, spec), indent=2))
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(config_json)
         old = path.with_name(f".{path.name}.old")
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)
