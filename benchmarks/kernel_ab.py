@@ -38,8 +38,10 @@ OFF = ("all", "layer", "matvec", "norm", "attention")  # "x": everything but x
 
 def switch(model: LlamaModel, kernels: CpuKernels, off: str) -> None:
     """Own kernels everywhere except ``off`` ("all": none off; "avx2": the AVX2 product)."""
-    if off == "avx2":
-        kernels = replace(kernels, matvec=matvec_avx2(), matvec_rows=MATVEC_ROWS_NATIVE_BF16)
+    if off == "avx2":  # op by op: the whole-layer kernel multiplies with its own product
+        kernels = replace(
+            kernels, matvec=matvec_avx2(), matvec_rows=MATVEC_ROWS_NATIVE_BF16, layer=None
+        )
     set_cpu_kernels(model, kernels if off in ("all", "avx2") else replace(kernels, **{off: None}))
 
 

@@ -59,7 +59,9 @@ class CpuKernels:
     norm: NormKernel | None  # RMSNorm of bf16 rows, HF's rounding order
     attention: RowAttention | None  # a few causal query tokens per row over its cached keys
     matvec_rows: int = MATVEC_ROWS  # products of more rows use torch's
-    layer: LayerKernel | None = None  # a whole decoder layer in one call (uses all the above)
+    # A whole decoder layer in one call, built on this module's product, norm and attention:
+    # a copy that replaces any of them (an A/B) must drop it too.
+    layer: LayerKernel | None = None
 
 
 @cache  # one build per process; the compiled module is process-wide by nature
