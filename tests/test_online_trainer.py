@@ -158,6 +158,8 @@ def test_server_supervises_the_trainer_through_sigkill(
             ckpt_step = int(checkpoints(state)[0].stem.split("-")[1])
             first = training()
             assert first["enabled"] and first["pid"] and first["restarts"] == 0
+            # Lowest CPU priority: it trains on cycles nothing else on the machine wants.
+            assert os.getpriority(os.PRIO_PROCESS, first["pid"]) == 19
             # Load returns: the server suspends the trainer at once, and resumes it after.
             long = {"max_new_tokens": 200, "temperature": 0, "n": 4, "ignore_eos": True}
             busy = threading.Thread(target=http.post, args=("/generate",),

@@ -48,6 +48,8 @@ def test_cli_capture_and_training_flags() -> None:
     assert cfg.engine.capture.enabled and cfg.training.enabled  # training implies capture
     assert (cfg.engine.capture.max_bytes, cfg.engine.capture.sample_rate) == (64 << 20, 0.5)
     assert cfg.training.max_running == 2 and cfg.training.threads == 1
+    assert cfg.training.nice == 19  # default: the lowest CPU priority
+    assert parse_args(["serve", "--trainer-nice", "5"]).training.nice == 5
     cmd = trainer_command(cfg, "http://127.0.0.1:1")
     assert cmd[cmd.index("--threads") + 1] == "1" and cmd[cmd.index("--init") + 1] == "/d"
     # The trainer parses it: one micro-step of 4 x 64 pairs per optimizer step (it is

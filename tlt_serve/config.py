@@ -178,6 +178,9 @@ class TrainingConfig:
     state_dir: str | None = None  # its checkpoints (None: under the server's cache dir)
     restart_delay_s: float = 2.0  # wait before restarting a trainer that exited
     threads: int | None = None  # the trainer's torch threads (a CPU budget); None: torch's
+    # The trainer's CPU priority (nice 0-19): at 19 it gets the cycles nothing else on the
+    # machine wants (an RL client's policy update beside the server, the engine's own gaps).
+    nice: int = 19
 
     def busy(self, in_flight: int) -> bool:
         """No spare capacity for training: more than ``max_running`` requests in flight."""
@@ -190,6 +193,8 @@ class TrainingConfig:
             raise ConfigError(f"restart_delay_s: must be >= 0, got {self.restart_delay_s}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"trainer_threads: must be >= 1, got {self.threads}")
+        if not 0 <= self.nice <= 19:
+            raise ConfigError(f"trainer_nice: must be in [0, 19], got {self.nice}")
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     serve.add_argument("--trainer-threads", type=int, default=None, metavar="N",
                        help="torch threads of the trainer process: its CPU budget beside the "
                        "engine (default: torch's)")
+    serve.add_argument("--trainer-nice", type=int, default=TrainingConfig.nice, metavar="N",
+                       help="CPU priority of the trainer process (0-19; 19: it runs only on "
+                       "cycles nothing else on the machine wants)")
     serve.add_argument("--trainer-state-dir", default=None, metavar="DIR",
                        help="trainer checkpoints (default: under the cache directory)")
     serve.add_argument("--log-level", default="info",
@@ -126,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
             max_running=args.train_max_running,
             state_dir=args.trainer_state_dir,
             threads=args.trainer_threads,
+            nice=args.trainer_nice,
         ),
         host=args.host,
         port=args.port,

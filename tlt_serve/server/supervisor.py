@@ -6,6 +6,10 @@ for ``/get_drafter_info``. Load comes first: the moment more than ``max_running`
 are in flight the trainer process is suspended (SIGSTOP) and it resumes (SIGCONT) when load
 drops again — it yields the cores at once, not after its current micro-step (the trainer's
 own gate check stays as the mechanism for a trainer the server does not supervise).
+It runs at the lowest CPU priority (``--trainer-nice``, default 19): when it may train but
+something else on the machine wants the cores (an RL client's policy update on the same
+host, the engine itself), that comes first, so the trainer uses only cycles nothing else
+wants — the idle gaps TLT trains in.
 The admin key (else the API key) reaches it through the environment, never argv (which
 other users can read).
 On shutdown it gets SIGTERM, checkpoints and exits.
@@ -21,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from tlt_serve.config import ServerConfig
@@ -57,14 +62,20 @@ def trainer_command(config: ServerConfig, url: str) -> list[str]:
     return cmd
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL when the server dies, even uncleanly (a trainer
-    left behind, possibly SIGSTOPped, would otherwise linger). Linux only; a no-op elsewhere."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _child_setup(nice: int) -> Callable[[], None]:
+    """In the child, before exec: lower its CPU priority by ``nice``, and get SIGKILL when
+    the server dies, even uncleanly (a trainer left behind, possibly SIGSTOPped, would
+    otherwise linger; Linux only)."""
+
+    def setup() -> None:
+        os.nice(nice)
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:
+            return
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    return setup
 
 
 class TrainerSupervisor:
@@ -89,7 +100,9 @@ class TrainerSupervisor:
     def _loop(self) -> None:
         while not self._stopping.is_set():
             with self._lock:
-                self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=_die_with_parent)
+                self.proc = subprocess.Popen(
+                    self.cmd, env=self.env, preexec_fn=_child_setup(self.training.nice)
+                )
                 self.state.pid, self.state.suspended = self.proc.pid, False
             code = self.proc.wait()
             self.state.pid, self.state.suspended = None, False
