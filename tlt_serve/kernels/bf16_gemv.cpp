@@ -210,11 +210,11 @@ torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x
   TORCH_CHECK(M >= 1, "x must have at least one row");
   const auto opts = x_in.options().dtype(at::kFloat);
   auto y = x_in.dim() == 1 ? torch::empty({N}, opts) : torch::empty({M, N}, opts);
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const auto* w = bf16_data(weight);
   float* out = y.data_ptr<float>();
   if (!avx2_only && x_in.scalar_type() == at::kBFloat16 && avx512_bf16()) {
     const auto x = x_in.contiguous();
-    const auto* xv = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    const auto* xv = bf16_data(x);
     over_tiles(rows_block_bf16, w, xv, out, M, N, K);
   } else {
     const auto x = x_in.to(at::kFloat).contiguous();
@@ -244,9 +244,9 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight,
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == H, "x has ", x.size(-1), " features, weight has ", H);
   auto y = torch::empty_like(x);
   const int64_t R = x.numel() / H;
-  const auto* xv = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wv = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const auto* xv = bf16_data(x);
+  const auto* wv = bf16_data(weight);
+  auto* out = bf16_data(y);
   at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* row = xv + r * H;
@@ -432,11 +432,8 @@ torch::Tensor attention_bf16(const torch::Tensor& q_in, const torch::Tensor& k_c
   }
   auto out = torch::empty_like(q);
   const int64_t stride = kvH * G * D;  // one query token's heads
-  attend_tokens(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), stride,
-                reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), rows.data(),
-                lv, B * Q, kvH, G, D, L, scale,
-                reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), stride);
+  attend_tokens(bf16_data(q), stride, bf16_data(k_cache), bf16_data(v_cache), rows.data(), lv,
+                B * Q, kvH, G, D, L, scale, bf16_data(out), stride);
   return out;
 }
 

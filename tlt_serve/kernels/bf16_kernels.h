@@ -11,6 +11,11 @@ static inline float bf16_to_f32(uint16_t v) {
   return f;
 }
 
+// A bf16 tensor's elements as raw 16-bit values.
+static inline uint16_t* bf16_data(const torch::Tensor& t) {
+  return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
 static inline uint16_t f32_to_bf16(float f) {
   // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays NaN.
   uint32_t bits;

@@ -11,14 +11,6 @@
 
 namespace {
 
-const uint16_t* bf16_ptr(const torch::Tensor& t) {
-  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
-}
-
-uint16_t* bf16_ptr_mut(torch::Tensor& t) {
-  return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
-}
-
 inline uint16_t mul_bf16(float a, float b) { return f32_to_bf16(a * b); }
 
 // In place: x[D] rotated as torch's x * cos + cat(-x2, x1) * sin, each op rounded to bf16.
@@ -38,8 +30,8 @@ void rotate(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t D) {
 // out = a + b, bf16 rows of equal shape, as torch's bf16 add.
 torch::Tensor add_bf16(const torch::Tensor& a, const torch::Tensor& b) {
   auto out = torch::empty_like(a);
-  const uint16_t *av = bf16_ptr(a), *bv = bf16_ptr(b);
-  uint16_t* ov = bf16_ptr_mut(out);
+  const uint16_t *av = bf16_data(a), *bv = bf16_data(b);
+  uint16_t* ov = bf16_data(out);
   for (int64_t i = 0; i < a.numel(); ++i) ov[i] = f32_to_bf16(bf16_to_f32(av[i]) + bf16_to_f32(bv[i]));
   return out;
 }
@@ -87,10 +79,10 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
   // Attention block: norm, qkv, rotary, K/V into the cache, attention, o, residual.
   const auto h = in_norm.numel() ? rms_norm_bf16(x, in_norm, eps) : x;
   auto qkv = gemv_bf16_impl(qkv_w, h, true, false);  // [R, (heads + 2 kvH) D]
-  uint16_t* qv = bf16_ptr_mut(qkv);
-  uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  const uint16_t* cs = bf16_ptr(rope);
+  uint16_t* qv = bf16_data(qkv);
+  uint16_t* kc = bf16_data(k_cache);
+  uint16_t* vc = bf16_data(v_cache);
+  const uint16_t* cs = bf16_data(rope);
   for (int64_t t = 0; t < R; ++t) {
     uint16_t* tok = qv + t * width;
     const uint16_t* cos = cs + sv[t] * 2 * D;
@@ -104,7 +96,7 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
   }
   auto attn = torch::empty({R, num_heads * D}, x.options());
   attend_tokens(qv, width, kc, vc, rows.data(), keys.data(), R, kvH, G, D, L, scale,
-                bf16_ptr_mut(attn), num_heads * D);
+                bf16_data(attn), num_heads * D);
   const auto x1 = add_bf16(x, gemv_bf16_impl(o_w, attn, true, false));
 
   // MLP block: norm, gate/up, silu(gate) * up (torch's ops), down, residual.

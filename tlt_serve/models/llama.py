@@ -126,18 +126,12 @@ class Attention(nn.Module):
         # Write this step's K/V: [B, Q, kvH, D] → [B, kvH, Q, D] rows of the flat cache.
         k_cache.view(-1, D).index_copy_(0, batch.write_index, k.transpose(1, 2).reshape(-1, D))
         v_cache.view(-1, D).index_copy_(0, batch.write_index, v.transpose(1, 2).reshape(-1, D))
-        if (
-            self.kernel is not None
-            and batch.kv_lens is not None
-            and Q <= KERNEL_MAX_QUERIES
-            and q.dtype == k_cache.dtype == torch.bfloat16
-            and not torch.is_grad_enabled()
-        ):
+        lens = _kernel_lens(batch, q, k_cache)  # [B, Q] or None
+        if self.kernel is not None and lens is not None:
             # Query j of row b attends columns [0, kv_lens[b, j]): no mask, no view, one call
             # (24 vs 50-75 us for torch's SDPA at batch 1 and 300 cached tokens here), and a
             # token gets the same output in a verify step as in a decode step.
             q5 = q.reshape(B, Q, kvH, G, D)
-            lens = batch.kv_lens  # [B, Q]
             out = self.kernel(q5, k_cache, v_cache, batch.row_lo, lens, self.scale)
             out = out.view(B, Q, cfg.q_size)  # [B, Q, kvH * G * D]
         else:
@@ -198,12 +192,9 @@ class DecoderLayer(nn.Module):
     def _kernel_fits(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer) -> bool:
         return (
             self.kernel is not None
-            and batch.kv_lens is not None  # causal rows, no tree
-            and batch.positions.shape[1] <= KERNEL_MAX_QUERIES
-            and x.numel() // x.shape[-1] <= self.kernel_rows
-            and x.dtype == kv[0].dtype == torch.bfloat16
+            and _kernel_lens(batch, x, kv[0]) is not None
+            and x.numel() // x.shape[-1] <= self.kernel_rows  # the own product's rows
             and self.post_attention_layernorm.weight.dtype == torch.bfloat16
-            and not torch.is_grad_enabled()
         )
 
     def _kernel_forward(
@@ -224,6 +215,20 @@ class DecoderLayer(nn.Module):
             attn.cfg.num_heads, attn.scale,
         )  # [R, H]
         return out.view(x.shape)
+
+
+def _kernel_lens(
+    batch: ForwardBatch, x: torch.Tensor, cache: torch.Tensor
+) -> torch.Tensor | None:
+    """``batch.kv_lens`` [B, Q] when the own causal-row kernels (attention, whole layer) take
+    this batch, else None: causal rows (no tree) of at most KERNEL_MAX_QUERIES tokens, bf16
+    activations and cache, no autograd (the kernels have no backward)."""
+    takes = (
+        batch.positions.shape[1] <= KERNEL_MAX_QUERIES
+        and x.dtype == cache.dtype == torch.bfloat16
+        and not torch.is_grad_enabled()
+    )
+    return batch.kv_lens if takes else None
 
 
 @dataclass(frozen=True)
