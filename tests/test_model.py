@@ -265,7 +265,8 @@ def test_attention_kernel_matches_sdpa(G: int) -> None:
     v_cache = torch.randn(S, kvH, L, D, generator=g).bfloat16()
     q = torch.randn(B, Q, kvH, G, D, generator=g).bfloat16()
     lens = torch.tensor([[1, 0, 0], [5, 6, 7], [298, 299, 300], [129, 130, 0]])
-    out = kernels.attention(q, k_cache, v_cache, row_lo, lens, D**-0.5)
+    none = torch.empty(0, dtype=torch.long)  # no tree bits
+    out = kernels.attention(q, k_cache, v_cache, row_lo, lens, none, D**-0.5)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     for b in range(B):
         for j in range(Q):
@@ -280,15 +281,51 @@ def test_attention_kernel_matches_sdpa(G: int) -> None:
             # The same query alone (a decode step) gets exactly the same output.
             alone = kernels.attention(
                 q[b : b + 1, j : j + 1], k_cache, v_cache, row_lo + b, lens[b : b + 1, j : j + 1],
-                D**-0.5,
+                none, D**-0.5,
             )
             assert torch.equal(alone[0, 0], out[b, j])
     with pytest.raises(RuntimeError, match="lens out of range"):
-        kernels.attention(q, k_cache, v_cache, row_lo, lens.clamp(max=L) + 1, 1.0)
+        kernels.attention(q, k_cache, v_cache, row_lo, lens.clamp(max=L) + 1, none, 1.0)
     with pytest.raises(RuntimeError, match="one entry per query"):
-        kernels.attention(q, k_cache, v_cache, row_lo, lens[:, 0], 1.0)
+        kernels.attention(q, k_cache, v_cache, row_lo, lens[:, 0], none, 1.0)
     with pytest.raises(RuntimeError, match="rows out of range"):
-        kernels.attention(q, k_cache, v_cache, 3, lens, 1.0)
+        kernels.attention(q, k_cache, v_cache, 3, lens, none, 1.0)
+
+
+def test_attention_kernel_tree_nodes_get_their_decode_bits() -> None:
+    """A tree node (tree bits) sees the committed prefix, then its ancestors and itself at
+    scattered columns: exactly what its token sees in plain decoding with that path laid out
+    contiguously. Same bits as that decode query, whatever the prefix length's alignment."""
+    kernels = own_kernels()
+    g = torch.Generator().manual_seed(7)
+    S, kvH, G, L, D = 2, 3, 3, 80, 64
+    none = torch.empty(0, dtype=torch.long)
+    for start in (1, 8, 13, 40):  # prefix lengths on and off the kernel's groups of 8 keys
+        k_cache = torch.randn(S, kvH, L, D, generator=g).bfloat16()
+        v_cache = torch.randn(S, kvH, L, D, generator=g).bfloat16()
+        # Tree: root 0; 1, 2 under the root; 3 under 1; 4 under 3; 5 under 2.
+        parents = [0, 0, 1, 3, 2]
+        anc = [[0]]
+        for i, p in enumerate(parents, start=1):
+            anc.append(anc[p] + [i])
+        N = len(anc)
+        q = torch.randn(1, N, kvH, G, D, generator=g).bfloat16()
+        lens = torch.tensor([[start + len(a) for a in anc]])  # [1, N]
+        bits = torch.tensor([sum(1 << i for i in a) for a in anc])  # [N]
+        out = kernels.attention(q, k_cache, v_cache, 0, lens, bits, D**-0.5)
+        for j, a in enumerate(anc):
+            # Plain decoding of path a: its nodes' K/V at columns start, start + 1, .. of row 1.
+            cols = torch.tensor(list(range(start)) + [start + i for i in a])
+            k_cache[1], v_cache[1] = k_cache[0], v_cache[0]
+            k_cache[1, :, : len(cols)] = k_cache[0][:, cols]
+            v_cache[1, :, : len(cols)] = v_cache[0][:, cols]
+            lone = torch.tensor([[len(cols)]])
+            ref = kernels.attention(q[:, j : j + 1], k_cache, v_cache, 1, lone, none, D**-0.5)
+            assert torch.equal(out[0, j], ref[0, 0]), (start, j)
+    with pytest.raises(RuntimeError, match="one entry per query"):
+        kernels.attention(q, k_cache, v_cache, 0, lens, bits[:3], D**-0.5)
+    with pytest.raises(RuntimeError, match="more visible tree columns"):
+        kernels.attention(q, k_cache, v_cache, 0, torch.ones(1, N, dtype=torch.long), bits, 1.0)
 
 
 def test_attention_kernel_is_used_only_within_its_limits(tiny_model_dir) -> None:

@@ -100,7 +100,8 @@ def test_bf16_greedy_with_the_own_kernels_is_bitwise_plain_decoding(
     """In bf16 a token scored in a verify step (several tokens per row) gets exactly what a
     decode step (one per row) gives it: every per-token op is row-wise, and the own attention
     and the own AVX512-BF16 product compute a row the same way in any batch. So speculation
-    is exact in bf16 too, tokens and logprobs, while the verify rows fit the own product.
+    is exact in bf16 too, tokens and logprobs, while the verify rows fit the own product —
+    for trees too (a node sees its prefix and ancestors, what its token sees when decoded).
     (The AVX2 product sums 1, 2-4 and 5-8 rows in different orders: no such guarantee.)"""
     from tlt_serve.kernels import cpu_kernels, own_avx512_bf16
 
@@ -111,10 +112,14 @@ def test_bf16_greedy_with_the_own_kernels_is_bitwise_plain_decoding(
         pytest.skip("verify rows (5 requests x 5 tokens) exceed the own product's limit here")
     params = varied_params()
     plain = make_llm(tiny_model_dir, dtype="bfloat16").generate(PROMPTS, params)
-    for name in ("ngram", "drafter-plain"):
-        llm = make_llm(tiny_model_dir, spec_configs(drafters, max_batch=8)[name], dtype="bfloat16")
+    configs = spec_configs(drafters, max_batch=8)
+    # A tree of 4 nodes + root per request: 25 verify rows, within the product's 32.
+    configs["tree"] = replace(configs["tree"], tree_topk=2, verify_budget=4)
+    for name in ("ngram", "drafter-plain", "tree"):
+        llm = make_llm(tiny_model_dir, configs[name], dtype="bfloat16")
         got = llm.generate(PROMPTS, params)
-        assert llm.engine.stats.spec_accepted > 0, name
+        stats = llm.engine.stats
+        assert stats.spec_accepted > 0, name
         for ref, out in zip(plain, got, strict=True):
             r, o = ref.samples[0], out.samples[0]
             assert o.token_ids == r.token_ids, name

@@ -151,17 +151,39 @@ def extend_batch(
         mask = mask.unsqueeze(1)  # [B, 1, Q, Kv]
     kv_heads, row_len = kv.storage.shape[3], kv.storage.shape[4]
     index = flat_write_index(row_lo, write_pos, kv_heads, row_len)
+    # [B, Q] keys each query sees: causal rows [0, start_b + j + 1); a tree node its prefix,
+    # its ancestors and itself (depth + 1 tree columns, named by tree_bits); padding none.
+    kv_lens: torch.Tensor | None = torch.where(real, start + offsets + 1, 0)
+    bits = None
+    if trees is not None:
+        bits = _tree_bits(trees, Q)
+        if bits is None or bool((real & (start + cols >= kv.max_len)).any()):
+            kv_lens = None  # too large for the kernels' bits, or at the row's end: mask only
     fb = ForwardBatch(
         row_lo,
         positions.to(device),
         index.to(device),
         None if mask is None else mask.to(device),
         kv_len,
-        # [B, Q] causal rows: query j of row b sees keys [0, start_b + j + 1); padding none
-        None if trees is not None else torch.where(real, start + cols + 1, 0).to(device),
+        None if kv_lens is None else kv_lens.to(device),
         real.view(-1).nonzero().squeeze(1).to(device) if pack and not bool(real.all()) else None,
+        None if bits is None or kv_lens is None else bits.to(device),
     )
     return fb, ids.to(device)
+
+
+def _tree_bits(trees: list[DraftTree], Q: int) -> torch.Tensor | None:
+    """[B, Q] long: bit i of node j's entry set when tree node i is node j or one of its
+    ancestors (``ForwardBatch.tree_bits``); padding 0. None past 63 nodes."""
+    if Q > 63:
+        return None
+    out = torch.zeros(len(trees), Q, dtype=torch.long)  # [B, Q]
+    for b, tree in enumerate(trees):
+        row = [1]  # the root: itself
+        for i, p in enumerate(tree.parents, start=1):
+            row.append(row[p] | 1 << i)
+        out[b, : len(row)] = torch.tensor(row)
+    return out
 
 
 def _depths(trees: list[DraftTree], Q: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 ``cpu_kernels()`` returns the kernels of ``bf16_gemv.cpp`` (AVX2; the product of bf16 rows
 takes AVX512-BF16 dot products where the CPU has them): the bf16 matrix × rows product, the
-RMSNorm, the attention of a few causal query tokens per row (decode, verify), and all of them
+RMSNorm, the attention of a few query tokens per row (decode, verify, draft trees), and all of them
 as one whole decoder layer (``decoder_layer.cpp``); or None when
 they cannot be had (no AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``);
 callers then use torch's own kernels, so nothing depends on them for correctness. The build
@@ -26,14 +26,16 @@ log = logging.getLogger("tlt_serve.kernels")
 # (weight [N, K] bf16, x [M, K] fp32 or bf16, out_bf16) → [M, N] fp32 (bf16 if out_bf16)
 MatVec = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-# (q [B, Q, kvH, G, D], k_cache, v_cache [S, kvH, L, D], row_lo, lens [B, Q], scale)
-#   → [B, Q, kvH, G, D]; query (b, j) sees key columns [0, lens[b, j])
+# (q [B, Q, kvH, G, D], k_cache, v_cache [S, kvH, L, D], row_lo, lens [B, Q], tree bits
+#   [B * Q] or empty, scale) → [B, Q, kvH, G, D]; query (b, j) sees key columns
+#   [0, lens[b, j]), or a tree node's prefix + ancestors (``ForwardBatch.tree_bits``)
 RowAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float],
+    torch.Tensor,
 ]
 # A whole decoder layer for causal rows (decoder_layer.cpp): (x [R, H], input norm weight or
 # empty, qkv, o, post norm, gate_up, down weights, eps, k_cache, v_cache, rope [B*Q, 2, D],
-# slots [R], lens [B*Q], row_lo, Q, heads, scale) → x [R, H]
+# slots [R], lens [B*Q], tree bits [B*Q] or empty, row_lo, Q, heads, scale) → x [R, H]
 LayerKernel = Callable[..., torch.Tensor]
 
 
@@ -58,7 +60,7 @@ class CpuKernels:
 
     matvec: MatVec | None  # bf16 weight [N, K] × rows [M, K] → [M, N], fp32 accumulation
     norm: NormKernel | None  # RMSNorm of bf16 rows, HF's rounding order
-    attention: RowAttention | None  # a few causal query tokens per row over its cached keys
+    attention: RowAttention | None  # a few query tokens per row over its cached keys
     matvec_rows: int = MATVEC_ROWS  # products of more rows use torch's
     # A whole decoder layer in one call, built on this module's product, norm and attention:
     # a copy that replaces any of them (an A/B) must drop it too.

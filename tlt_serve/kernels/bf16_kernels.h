@@ -31,11 +31,15 @@ torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x
 // RMSNorm of bf16 rows in HF's rounding order.
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 // Attention of T query tokens: token t (q at q + t * q_stride, kvH x G heads of D) sees key
-// columns [0, lens[t]) of cache row rows[t]; output at out + t * o_stride, bf16.
+// columns [0, lens[t]) of cache row rows[t] or, where bits (nullable) has bits[t] != 0, the
+// first lens[t] - popcount(bits[t]) columns and then that base + i for each set bit i (a tree
+// node: its ancestors and itself); output at out + t * o_stride, bf16.
 void attend_tokens(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
-                   const uint16_t* v_cache, const int64_t* rows, const int64_t* lens, int64_t T,
-                   int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* out,
-                   int64_t o_stride);
+                   const uint16_t* v_cache, const int64_t* rows, const int64_t* lens,
+                   const int64_t* bits, int64_t T, int64_t kvH, int64_t G, int64_t D, int64_t L,
+                   double scale, uint16_t* out, int64_t o_stride);
+// bits_in as contiguous int64 (one per entry of lens), checked against lens; empty: no tree.
+torch::Tensor tree_bits(const torch::Tensor& bits_in, const torch::Tensor& lens);
 void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t kvH,
                   int64_t G, int64_t D);
 // One whole decoder layer for causal rows (decoder_layer.cpp).
@@ -45,5 +49,5 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
                                  const torch::Tensor& down_w, double eps,
                                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const torch::Tensor& rope, const torch::Tensor& slots,
-                                 const torch::Tensor& lens, int64_t row_lo, int64_t Q,
-                                 int64_t num_heads, double scale);
+                                 const torch::Tensor& lens, const torch::Tensor& bits,
+                                 int64_t row_lo, int64_t Q, int64_t num_heads, double scale);

@@ -1,5 +1,5 @@
 // One whole decoder layer (Llama family without biases or q/k norms) in one call, for rows of
-// a few causal query tokens (decode, chain verification, drafter steps). At batch 1 a layer's
+// a few query tokens (decode, chain and tree verification, drafter steps). At batch 1 a layer's
 // products take ~0.3 ms (they stream the weights from memory) and the ~35 torch ops around
 // them as much again in dispatch; here they are loops over a handful of rows.
 // Every value is rounded as the op-by-op torch path rounds it (the same kernels for products,
@@ -42,7 +42,8 @@ torch::Tensor add_bf16(const torch::Tensor& a, const torch::Tensor& b) {
 // drafter's layer); caches [S, kvH, L, D]; rope [T, 2, D] bf16 (cos, sin) per slot of the
 // batch's [B, Q] layout; slots [R]: each token's slot (b * Q + j); lens [T]: keys each slot's
 // query sees (its own K/V go to column lens - 1 of cache row row_lo + b; 0: a padding token,
-// which writes nothing and attends to nothing). Returns the new residual stream [R, H] and
+// which writes nothing and attends to nothing); bits [T] or empty: tree nodes, as
+// attend_tokens reads them (a node's own K/V go to the column of its highest set bit). Returns the new residual stream [R, H] and
 // writes the tokens' K/V.
 torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in_norm,
                                  const torch::Tensor& qkv_w, const torch::Tensor& o_w,
@@ -50,8 +51,8 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
                                  const torch::Tensor& down_w, double eps,
                                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const torch::Tensor& rope, const torch::Tensor& slots_in,
-                                 const torch::Tensor& lens_in, int64_t row_lo, int64_t Q,
-                                 int64_t num_heads, double scale) {
+                                 const torch::Tensor& lens_in, const torch::Tensor& bits_in,
+                                 int64_t row_lo, int64_t Q, int64_t num_heads, double scale) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "x must be contiguous [R, H] bf16");
   const int64_t R = x.size(0), kvH = k_cache.size(1), D = k_cache.size(3), L = k_cache.size(2);
@@ -66,14 +67,22 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
   const int64_t T = rope.size(0);
   TORCH_CHECK(slots.numel() == R && lens.numel() == T && Q >= 1 && T % Q == 0,
               "slots must be [R], lens [T] with T = B * Q");
+  const auto all_bits = tree_bits(bits_in, lens);
   const int64_t *sv = slots.data_ptr<int64_t>(), *lv = lens.data_ptr<int64_t>();
+  const int64_t* abv = all_bits.numel() ? all_bits.data_ptr<int64_t>() : nullptr;
   std::vector<int64_t> rows(static_cast<size_t>(R)), keys(static_cast<size_t>(R));
+  std::vector<int64_t> bits(abv != nullptr ? static_cast<size_t>(R) : 0), cols(static_cast<size_t>(R));
   for (int64_t t = 0; t < R; ++t) {
     TORCH_CHECK(sv[t] >= 0 && sv[t] < T, "slots out of range");
     const int64_t row = row_lo + sv[t] / Q, n = lv[sv[t]];
     TORCH_CHECK(row >= 0 && row < k_cache.size(0) && n >= 0 && n <= L, "rows or lens out of range");
     rows[static_cast<size_t>(t)] = row;
     keys[static_cast<size_t>(t)] = n;
+    // Its own K/V go to its last visible column: n - 1, or a tree node's highest set bit.
+    const uint64_t b = abv != nullptr ? static_cast<uint64_t>(abv[sv[t]]) : 0;
+    if (abv != nullptr) bits[static_cast<size_t>(t)] = static_cast<int64_t>(b);
+    cols[static_cast<size_t>(t)] =
+        b == 0 ? n - 1 : n - __builtin_popcountll(b) + 63 - __builtin_clzll(b);
   }
 
   // Attention block: norm, qkv, rotary, K/V into the cache, attention, o, residual.
@@ -87,7 +96,7 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
     uint16_t* tok = qv + t * width;
     const uint16_t* cos = cs + sv[t] * 2 * D;
     for (int64_t hd = 0; hd < num_heads + kvH; ++hd) rotate(tok + hd * D, cos, cos + D, D);
-    const int64_t col = keys[static_cast<size_t>(t)] - 1, row = rows[static_cast<size_t>(t)];
+    const int64_t col = cols[static_cast<size_t>(t)], row = rows[static_cast<size_t>(t)];
     for (int64_t hd = 0; hd < kvH && col >= 0; ++hd) {  // a padding token (no keys) writes none
       const int64_t at = ((row * kvH + hd) * L + col) * D;
       std::memcpy(kc + at, tok + (num_heads + hd) * D, D * sizeof(uint16_t));
@@ -95,7 +104,8 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
     }
   }
   auto attn = torch::empty({R, num_heads * D}, x.options());
-  attend_tokens(qv, width, kc, vc, rows.data(), keys.data(), R, kvH, G, D, L, scale,
+  attend_tokens(qv, width, kc, vc, rows.data(), keys.data(), bits.empty() ? nullptr : bits.data(),
+                R, kvH, G, D, L, scale,
                 bf16_data(attn), num_heads * D);
   const auto x1 = add_bf16(x, gemv_bf16_impl(o_w, attn, true, false));
 

@@ -26,10 +26,16 @@ class ForwardBatch:
       ``kv_len`` columns (a decode batch whose sequences have equal length, e.g. batch 1),
       which lets attention skip the mask.
     - ``kv_len``: key columns ``[0, Kv)`` attention reads.
-    - ``kv_lens`` [B, Q] long or None: set for causal batches (decode, chain verification,
-      prefill, drafter catch-up; not trees): query j of row b sees exactly key columns
-      ``[0, kv_lens[b, j])`` (0 for padding queries), what the attention kernel reads instead
-      of the mask.
+    - ``kv_lens`` [B, Q] long or None: how many keys query j of row b sees (0 for padding
+      queries), what the own attention kernel reads instead of the mask. Causal batches
+      (decode, chain verification, prefill, drafter catch-up): exactly key columns
+      ``[0, kv_lens[b, j])``.
+    - ``tree_bits`` [B, Q] long or None: set with ``kv_lens`` for draft trees (tree
+      verification, tree drafting). A query with bits != 0 is a tree node: it sees the
+      first ``n0 = kv_lens - popcount(bits)`` columns (the committed prefix), then column
+      ``n0 + i`` for each set bit i (its ancestors and itself, ascending); its own K/V go to
+      the column of its highest bit. The keys a node sees are the keys its token would see
+      in plain decoding, in the same order, so the kernel gives it the same bits.
     - ``packed`` [R] long or None: flat indices into the B * Q tokens of the R real ones, set
       when the batch has padding and its maker asked for packing. The model then runs every
       per-token op (embedding, norms, projections, MLP) on the R real tokens only and pads
@@ -44,6 +50,14 @@ class ForwardBatch:
     kv_len: int
     kv_lens: torch.Tensor | None = None
     packed: torch.Tensor | None = None
+    tree_bits: torch.Tensor | None = None
+
+    @cached_property
+    def kernel_bits(self) -> torch.Tensor:
+        """``tree_bits`` flat [B * Q] as the own kernels take them (empty: no tree)."""
+        if self.tree_bits is None:
+            return torch.empty(0, dtype=torch.long, device=self.positions.device)
+        return self.tree_bits.reshape(-1)
 
     @cached_property
     def slots(self) -> torch.Tensor:

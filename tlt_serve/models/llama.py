@@ -128,11 +128,13 @@ class Attention(nn.Module):
         v_cache.view(-1, D).index_copy_(0, batch.write_index, v.transpose(1, 2).reshape(-1, D))
         lens = _kernel_lens(batch, q, k_cache)  # [B, Q] or None
         if self.kernel is not None and lens is not None:
-            # Query j of row b attends columns [0, kv_lens[b, j]): no mask, no view, one call
-            # (24 vs 50-75 us for torch's SDPA at batch 1 and 300 cached tokens here), and a
-            # token gets the same output in a verify step as in a decode step.
+            # Query j of row b attends its kv_lens[b, j] keys (columns [0, kv_lens), or a tree
+            # node's prefix + ancestors): no mask, no view, one call (24 vs 50-75 us for
+            # torch's SDPA at batch 1 and 300 cached tokens here), and a token gets the same
+            # output in a verify step (chain or tree) as in a decode step.
             q5 = q.reshape(B, Q, kvH, G, D)
-            out = self.kernel(q5, k_cache, v_cache, batch.row_lo, lens, self.scale)
+            bits = batch.kernel_bits
+            out = self.kernel(q5, k_cache, v_cache, batch.row_lo, lens, bits, self.scale)
             out = out.view(B, Q, cfg.q_size)  # [B, Q, kvH * G * D]
         else:
             rows = slice(batch.row_lo, batch.row_lo + B)
@@ -211,7 +213,8 @@ class DecoderLayer(nn.Module):
         out = self.kernel(
             x.reshape(-1, H), in_norm, attn.qkv_proj.weight, attn.o_proj.weight, post.weight,
             mlp.gate_up_proj.weight, mlp.down_proj.weight, post.eps, kv[0], kv[1],
-            rope.reshape(B * Q, 2, D), batch.slots, batch.kv_lens.view(-1), batch.row_lo, Q,
+            rope.reshape(B * Q, 2, D), batch.slots, batch.kv_lens.view(-1), batch.kernel_bits,
+            batch.row_lo, Q,
             attn.cfg.num_heads, attn.scale,
         )  # [R, H]
         return out.view(x.shape)
@@ -220,9 +223,10 @@ class DecoderLayer(nn.Module):
 def _kernel_lens(
     batch: ForwardBatch, x: torch.Tensor, cache: torch.Tensor
 ) -> torch.Tensor | None:
-    """``batch.kv_lens`` [B, Q] when the own causal-row kernels (attention, whole layer) take
-    this batch, else None: causal rows (no tree) of at most KERNEL_MAX_QUERIES tokens, bf16
-    activations and cache, no autograd (the kernels have no backward)."""
+    """``batch.kv_lens`` [B, Q] when the own row kernels (attention, whole layer) take this
+    batch, else None: rows (causal, or tree nodes with ``tree_bits``) of at most
+    KERNEL_MAX_QUERIES tokens, bf16 activations and cache, no autograd (the kernels have no
+    backward)."""
     takes = (
         batch.positions.shape[1] <= KERNEL_MAX_QUERIES
         and x.dtype == cache.dtype == torch.bfloat16

@@ -111,13 +111,20 @@ def _forward_frontier(
             write[b, s] = cols[b][node]
     kv_len = int(write.max()) + 1
     mask = torch.zeros(B, k, kv_len, dtype=torch.bool)  # [B, k, Kv]
+    # The same as tree bits over columns root.. (ForwardBatch.tree_bits), for the own kernels:
+    # only while every column is a real one and within 63 of the root.
+    bits = torch.zeros(B, k, dtype=torch.long)  # [B, k]
+    use_bits = d * k <= 63 and int(write.max()) < scratch
     for b in range(B):
         mask[b, :, : roots[b]] = True  # the committed prefix (pairs 0..root-1)
         for s, node in enumerate(frontier[b]):
-            n = node
+            n, row = node, 0
             while n > 0:  # the node itself and its ancestors (all expanded earlier)
                 mask[b, s, cols[b][n]] = True
+                row |= 1 << (cols[b][n] - roots[b]) if use_bits else 0
                 n = nodes[b][n].parent
+            bits[b, s] = row
+    lens = torch.tensor(roots).unsqueeze(1).repeat(1, k) + d  # [B, k]: prefix + d tree cols
     positions = torch.tensor(roots).unsqueeze(1).expand(B, k) + (d - 1)  # [B, k]
     positions = positions.clamp(max=kv.max_len - 1)
     heads, row_len = kv.storage.shape[3], kv.storage.shape[4]
@@ -128,6 +135,8 @@ def _forward_frontier(
         flat_write_index(reqs[0].row, write, heads, row_len).to(device),
         mask.unsqueeze(1).to(device),
         kv_len,
+        lens.to(device) if use_bits else None,
+        tree_bits=bits.to(device) if use_bits else None,
     )
     ids = torch.tensor([[nodes[b][n].token for n in frontier[b]] for b in range(B)], device=device)
     return drafter(ids, feats.contiguous(), fb, kv.layers[0], fused=True)  # [B, k, H]
