@@ -179,10 +179,7 @@ def _tree_bits(trees: list[DraftTree], Q: int) -> torch.Tensor | None:
         return None
     out = torch.zeros(len(trees), Q, dtype=torch.long)  # [B, Q]
     for b, tree in enumerate(trees):
-        row = [1]  # the root: itself
-        for i, p in enumerate(tree.parents, start=1):
-            row.append(row[p] | 1 << i)
-        out[b, : len(row)] = torch.tensor(row)
+        out[b, : tree.size + 1] = torch.tensor(tree.ancestor_bits())
     return out
 
 

@@ -66,13 +66,17 @@ class DraftTree:
             kids[p].append(i)
         return kids
 
+    def ancestor_bits(self) -> list[int]:
+        """Per node 0..N: bit j set when node j is that node or one of its ancestors."""
+        bits = [1]  # the root: itself
+        for i, p in enumerate(self.parents, start=1):
+            bits.append(bits[p] | 1 << i)
+        return bits
+
     def ancestor_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool: entry (i, j) True when node j is node i or one of its ancestors."""
         n = self.size + 1
-        mask = torch.eye(n, dtype=torch.bool)
-        for i, p in enumerate(self.parents, start=1):
-            mask[i] |= mask[p]
-        return mask
+        return torch.tensor([[b >> j & 1 == 1 for j in range(n)] for b in self.ancestor_bits()])
 
 
 def verify_tree(
