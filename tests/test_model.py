@@ -9,7 +9,14 @@ import torch
 import transformers
 
 from tlt_serve.engine.kv_cache import KVCache
-from tlt_serve.kernels import CpuKernels, cpu_kernels, matvec_avx2, own_avx512_bf16
+from tlt_serve.kernels import (
+    CpuKernels,
+    attention_avx2,
+    cpu_kernels,
+    matvec_avx2,
+    own_avx512,
+    own_avx512_bf16,
+)
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
 from tlt_serve.models.llama import MATVEC_ROWS, Linear, set_cpu_kernels
 from tlt_serve.models.loader import WeightError, build_model, iter_safetensors, load_weights
@@ -326,6 +333,33 @@ def test_attention_kernel_tree_nodes_get_their_decode_bits() -> None:
         kernels.attention(q, k_cache, v_cache, 0, lens, bits[:3], D**-0.5)
     with pytest.raises(RuntimeError, match="more visible tree columns"):
         kernels.attention(q, k_cache, v_cache, 0, torch.ones(1, N, dtype=torch.long), bits, 1.0)
+
+
+def test_attention_avx512_path_is_the_avx2_path_bit_for_bit() -> None:
+    """Where the CPU has AVX512 the attention widens each key and value row once for a group
+    of heads; every output must be the AVX2 path's bits: causal queries of every key count
+    around the groups of 8 keys, tree nodes (gathered columns), head groups larger than one
+    register group (G 7, 16), head sizes 64 / 128 / 256 and one the AVX512 path leaves (32)."""
+    kernels = own_kernels()
+    if not own_avx512():
+        pytest.skip("this CPU has no AVX512: the attention has only its AVX2 path")
+    avx2 = attention_avx2()
+    assert avx2 is not None and kernels.attention is not None
+    g = torch.Generator().manual_seed(11)
+    none = torch.empty(0, dtype=torch.long)
+    for G, D in [(1, 64), (3, 64), (7, 64), (16, 64), (4, 128), (2, 256), (3, 32)]:
+        kvH, L = 2, 40
+        k_cache = torch.randn(3, kvH, L, D, generator=g).bfloat16()
+        v_cache = torch.randn(3, kvH, L, D, generator=g).bfloat16()
+        q = torch.randn(2, 20, kvH, G, D, generator=g).bfloat16()
+        lens = torch.arange(40).view(2, 20)  # 0 (padding) .. 39 keys
+        for row_lo in (0, 1):
+            causal = kernels.attention(q, k_cache, v_cache, row_lo, lens, none, D**-0.5)
+            assert torch.equal(causal, avx2(q, k_cache, v_cache, row_lo, lens, none, D**-0.5))
+        tree_lens = torch.full((2, 20), 30)
+        bits = torch.tensor([(0b1011 << (i % 5)) | 1 for i in range(40)])  # 4 set bits each
+        tree = kernels.attention(q, k_cache, v_cache, 0, tree_lens, bits, D**-0.5)
+        assert torch.equal(tree, avx2(q, k_cache, v_cache, 0, tree_lens, bits, D**-0.5))
 
 
 def test_attention_kernel_is_used_only_within_its_limits(tiny_model_dir) -> None:

@@ -107,6 +107,20 @@ def matvec_avx2() -> MatVec | None:
     return None if module is None else module.gemv_bf16_avx2
 
 
+def attention_avx2() -> RowAttention | None:
+    """The own attention on its AVX2 path whatever the CPU: the same bits as ``attention``,
+    which widens each key and value row once for all heads of a group where the CPU has
+    AVX512 (kept for comparisons and the test that they agree)."""
+    module = _module()
+    return None if module is None else module.attention_bf16_avx2
+
+
+def own_avx512() -> bool:
+    """Whether the own attention takes its AVX512 path here."""
+    module = _module()
+    return module is not None and bool(module.avx512())
+
+
 def own_avx512_bf16() -> bool:
     """Whether the own product multiplies bf16 rows with AVX512-BF16 dot products here."""
     module = _module()

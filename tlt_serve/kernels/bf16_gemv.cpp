@@ -413,6 +413,137 @@ static void attend_head(const float (*qf)[256], const uint16_t* K, const uint16_
   }
 }
 
+// ---- AVX512: the same attention with each K and V row widened once for all G query heads.
+// The AVX2 path above widens a key row once per query head and runs one 8-wide FMA per 8
+// products. Here a 16-wide register holds two keys' 8-lane partial sums (lanes 0-7 and 8-15)
+// and a value row is widened once into D / 16 registers, then multiplied into every head's
+// accumulators. Every lane does the same FMAs in the same order as the AVX2 path's lane, and
+// the 8 keys' lanes are reduced by the same hsum8, so the result is the same bits (tested):
+// only the number of instructions changes.
+#define TLT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+bool avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+// Two keys' 8 bf16 (at a and b) widened into one register: lanes 0-7 from a, 8-15 from b.
+TLT_AVX512 static inline __m512 load_bf16_pair(const uint16_t* a, const uint16_t* b) {
+  const __m256i raw = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Scores of GB query heads (qf[0..GB)) against keys col(j), j < n: s[g * stride + j]. Blocks of
+// 8 keys as qk_scores; the keys past the last whole block as qk_scores does them.
+template <int GB, typename Col>
+TLT_AVX512 static void qk_scores_heads(const float (*qf)[256], const uint16_t* K, int64_t n,
+                                       int64_t D, Col col, float* s, int64_t stride) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const uint16_t* kr[8];
+    for (int kk = 0; kk < 8; ++kk) kr[kk] = K + col(j + kk) * D;
+    __m512 acc[GB][4];
+    for (int g = 0; g < GB; ++g)
+      for (int p = 0; p < 4; ++p) acc[g][p] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m512 kz[4];
+      for (int p = 0; p < 4; ++p) kz[p] = load_bf16_pair(kr[2 * p] + d, kr[2 * p + 1] + d);
+      for (int g = 0; g < GB; ++g) {
+        const __m512 qz = _mm512_castpd_ps(  // the 8 floats in both halves
+            _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(qf[g] + d))));
+        for (int p = 0; p < 4; ++p) acc[g][p] = _mm512_fmadd_ps(kz[p], qz, acc[g][p]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      __m256 a[8];
+      for (int p = 0; p < 4; ++p) {
+        a[2 * p] = _mm512_castps512_ps256(acc[g][p]);
+        a[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[g][p]), 1));
+      }
+      _mm256_storeu_ps(s + g * stride + j, hsum8(a));
+    }
+  }
+  if (j < n)
+    for (int g = 0; g < GB; ++g) {
+      float tail[8];
+      qk_scores(qf[g], K, n - j, D, [&](int64_t i) { return col(j + i); }, tail);
+      std::copy(tail, tail + (n - j), s + g * stride + j);
+    }
+}
+
+// O[g] (bf16) ← Σ_j s[g * stride + j] · V[col(j)] for GB heads; each value row widened once.
+template <int D16, int GB, typename Col>
+TLT_AVX512 static void pv_sum_heads(const float* s, int64_t stride, const uint16_t* V, int64_t n,
+                                    Col col, uint16_t* O) {
+  constexpr int64_t D = 16 * D16;
+  __m512 acc[GB][D16];
+  for (int g = 0; g < GB; ++g)
+    for (int d = 0; d < D16; ++d) acc[g][d] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* vrow = V + col(j) * D;
+    __m512 vz[D16];
+    for (int d = 0; d < D16; ++d)
+      vz[d] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + 16 * d))), 16));
+    for (int g = 0; g < GB; ++g) {
+      const __m512 p = _mm512_set1_ps(s[g * stride + j]);
+      for (int d = 0; d < D16; ++d) acc[g][d] = _mm512_fmadd_ps(p, vz[d], acc[g][d]);
+    }
+  }
+  alignas(64) float tmp[16];
+  for (int g = 0; g < GB; ++g)
+    for (int d = 0; d < D16; ++d) {
+      _mm512_store_ps(tmp, acc[g][d]);
+      for (int e = 0; e < 16; ++e) O[g * D + 16 * d + e] = f32_to_bf16(tmp[e]);
+    }
+}
+
+// Heads [g0, g0 + GB) of one (query token, KV head), D = 16 * D16.
+template <int D16, int GB, typename Col>
+TLT_AVX512 static void attend_heads(const float (*qf)[256], const uint16_t* K, const uint16_t* V,
+                                    int64_t n, Col col, float* scores, uint16_t* Ot) {
+  qk_scores_heads<GB>(qf, K, n, 16 * D16, col, scores, n);
+  for (int g = 0; g < GB; ++g) softmax_inplace(scores + g * n, n);
+  pv_sum_heads<D16, GB>(scores, n, V, n, col, Ot);
+}
+
+// All G heads in groups that keep a group's accumulators in registers (<= 24 of 32).
+template <int D16, typename Col>
+TLT_AVX512 static void attend_head_avx512(const float (*qf)[256], const uint16_t* K,
+                                          const uint16_t* V, int64_t n, int64_t G, Col col,
+                                          std::vector<float>& scores, uint16_t* Ot) {
+  constexpr int64_t most = 24 / D16;  // heads per group: 6 for D = 64, 3 for 128, 1 for 256
+  scores.resize(static_cast<size_t>(most * n));
+  for (int64_t g0 = 0; g0 < G; g0 += most) {
+    const auto* q = qf + g0;
+    uint16_t* o = Ot + g0 * 16 * D16;
+    switch (std::min(most, G - g0)) {
+      case 1: attend_heads<D16, 1>(q, K, V, n, col, scores.data(), o); break;
+      case 2: attend_heads<D16, std::min<int>(2, most)>(q, K, V, n, col, scores.data(), o); break;
+      case 3: attend_heads<D16, std::min<int>(3, most)>(q, K, V, n, col, scores.data(), o); break;
+      case 4: attend_heads<D16, std::min<int>(4, most)>(q, K, V, n, col, scores.data(), o); break;
+      case 5: attend_heads<D16, std::min<int>(5, most)>(q, K, V, n, col, scores.data(), o); break;
+      default: attend_heads<D16, std::min<int>(6, most)>(q, K, V, n, col, scores.data(), o); break;
+    }
+  }
+}
+
+// One (query token, KV head) on the fastest path this CPU has (the same bits on either).
+template <typename Col>
+static void attend_head_any(const float (*qf)[256], const uint16_t* K, const uint16_t* V,
+                            int64_t n, int64_t G, int64_t D, Col col, bool avx2_only,
+                            std::vector<float>& scores, uint16_t* Ot) {
+  if (!avx2_only && avx512()) {
+    if (D == 64) return attend_head_avx512<4>(qf, K, V, n, G, col, scores, Ot);
+    if (D == 128) return attend_head_avx512<8>(qf, K, V, n, G, col, scores, Ot);
+    if (D == 256) return attend_head_avx512<16>(qf, K, V, n, G, col, scores, Ot);
+  }
+  attend_head(qf, K, V, n, G, D, col, scores, Ot);
+}
+
 // Causal attention of a few query tokens per row over the row's cached keys (decode: one per
 // row; chain verification and drafter catch-up: last token + drafts), GQA without expanding
 // K/V: q [B, Q, kvH, G, D] bf16 (G query heads share a KV head), caches [S, kvH, L, D] bf16,
@@ -427,7 +558,7 @@ static void attend_head(const float (*qf)[256], const uint16_t* K, const uint16_
 void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
                    const int64_t* rows, const int64_t* lens, const int64_t* bits, int64_t T,
                    int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* ov,
-                   int64_t o_stride) {
+                   int64_t o_stride, bool avx2_only) {
   int64_t keys = 0;
   for (int64_t t = 0; t < T; ++t) keys += lens[t];
   const int64_t work = T * kvH;  // (token, KV head)
@@ -451,14 +582,14 @@ void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, con
         for (int64_t d = 0; d < D; ++d) qf[g][d] = bf16_to_f32(Qh[g * D + d]) * static_cast<float>(scale);
       const uint64_t b = bits != nullptr ? static_cast<uint64_t>(bits[t]) : 0;
       if (b == 0) {
-        attend_head(qf, K, V, n, G, D, Contiguous{}, scores, Ot);
+        attend_head_any(qf, K, V, n, G, D, Contiguous{}, avx2_only, scores, Ot);
         continue;
       }
       const int64_t n0 = n - __builtin_popcountll(b);  // the shared prefix, then the set bits
       int64_t m = 0;
       for (int i = 0; i < 64; ++i)
         if (b >> i & 1u) extra[m++] = n0 + i;
-      attend_head(qf, K, V, n, G, D, Gathered{n0, extra}, scores, Ot);
+      attend_head_any(qf, K, V, n, G, D, Gathered{n0, extra}, avx2_only, scores, Ot);
     }
   });
 }
@@ -484,10 +615,10 @@ torch::Tensor tree_bits(const torch::Tensor& bits_in, const torch::Tensor& lens)
   return bits;
 }
 
-torch::Tensor attention_bf16(const torch::Tensor& q_in, const torch::Tensor& k_cache,
-                             const torch::Tensor& v_cache, int64_t row_lo,
-                             const torch::Tensor& lens_in, const torch::Tensor& bits_in,
-                             double scale) {
+static torch::Tensor attention_impl(const torch::Tensor& q_in, const torch::Tensor& k_cache,
+                                    const torch::Tensor& v_cache, int64_t row_lo,
+                                    const torch::Tensor& lens_in, const torch::Tensor& bits_in,
+                                    double scale, bool avx2_only) {
   TORCH_CHECK(q_in.dim() == 5 && q_in.scalar_type() == at::kBFloat16, "q must be 5-D bf16");
   const auto q = q_in.contiguous();
   const int64_t B = q.size(0), Q = q.size(1), kvH = q.size(2), G = q.size(3), D = q.size(4);
@@ -508,8 +639,21 @@ torch::Tensor attention_bf16(const torch::Tensor& q_in, const torch::Tensor& k_c
   auto out = torch::empty_like(q);
   const int64_t stride = kvH * G * D;  // one query token's heads
   attend_tokens(bf16_data(q), stride, bf16_data(k_cache), bf16_data(v_cache), rows.data(), lv,
-                bv, B * Q, kvH, G, D, L, scale, bf16_data(out), stride);
+                bv, B * Q, kvH, G, D, L, scale, bf16_data(out), stride, avx2_only);
   return out;
+}
+
+torch::Tensor attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
+                             const torch::Tensor& v_cache, int64_t row_lo,
+                             const torch::Tensor& lens, const torch::Tensor& bits, double scale) {
+  return attention_impl(q, k_cache, v_cache, row_lo, lens, bits, scale, false);
+}
+
+torch::Tensor attention_bf16_avx2(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                  const torch::Tensor& v_cache, int64_t row_lo,
+                                  const torch::Tensor& lens, const torch::Tensor& bits,
+                                  double scale) {
+  return attention_impl(q, k_cache, v_cache, row_lo, lens, bits, scale, true);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -519,10 +663,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("out_bf16") = false);
   m.def("gemv_bf16_avx2", &gemv_bf16_avx2, "gemv_bf16 on the AVX2 path only (for comparisons)",
         pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("out_bf16") = false);
+  m.def("avx512", &avx512, "whether attention_bf16 takes its AVX512 path");
   m.def("avx512_bf16", &avx512_bf16, "whether gemv_bf16 takes the AVX512-BF16 path for bf16 rows");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows, fp32 math, HF's rounding order");
   m.def("attention_bf16", &attention_bf16,
         "attention of a few query tokens per row over bf16 caches (decode, verify, trees)");
+  m.def("attention_bf16_avx2", &attention_bf16_avx2,
+        "attention_bf16 on the AVX2 path only (the same bits; for comparisons)");
   m.def("decoder_layer_bf16", &decoder_layer_bf16,
         "one decoder layer for rows of a few causal query tokens (decoder_layer.cpp)");
 }
