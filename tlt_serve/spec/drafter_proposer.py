@@ -15,7 +15,7 @@ catch-up overwrites them before anything reads them (attention never reads past 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,8 +29,35 @@ from tlt_serve.spec.tree_draft import expand_tree
 
 @dataclass
 class _State:
+    """A request's drafter progress and the features it has not consumed yet.
+
+    Pending features go into one buffer per request that doubles when full and is reused
+    after each catch-up, not a list of per-step tensors: while speculation is off (a large
+    batch) every request gains a row per step for hundreds of steps, and that many small
+    long-lived tensors fragmented the heap until each step page-faulted in fresh memory
+    (batch 64: ~1600 faults and ~10% of a step)."""
+
     done: int = 0  # pairs already in the drafter KV (positions 0..done-1)
-    pending: list[torch.Tensor] = field(default_factory=list)  # features of done.., [m, F] each
+    buffer: torch.Tensor | None = None  # [capacity, F]: rows [0, pending) are pending
+    pending: int = 0
+
+    def add(self, features: torch.Tensor) -> None:
+        """Append features [m, F] (copied)."""
+        m = features.shape[0]
+        if self.buffer is None or self.pending + m > self.buffer.shape[0]:
+            grown = features.new_empty((max(2 * (self.pending + m), 16), features.shape[1]))
+            if self.buffer is not None:
+                grown[: self.pending] = self.buffer[: self.pending]
+            self.buffer = grown
+        self.buffer[self.pending : self.pending + m] = features
+        self.pending += m
+
+    def take(self) -> torch.Tensor:
+        """The pending features [m, F] (a view, valid until the next ``add``); none pending
+        after."""
+        assert self.buffer is not None
+        out, self.pending = self.buffer[: self.pending], 0
+        return out
 
 
 class DrafterProposer:
@@ -52,7 +79,7 @@ class DrafterProposer:
         return self.drafter.spec.feature_layers
 
     def observe(self, req: Request, features: torch.Tensor) -> None:
-        self._states.setdefault(req.rid, _State()).pending.append(features)
+        self._states.setdefault(req.rid, _State()).add(features)
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
@@ -102,15 +129,14 @@ class DrafterProposer:
         starts, tokens, feats = [], [], []
         for r in reqs:
             st = self._states[r.rid]
-            f = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]  # [m, F]
-            m = f.shape[0]
+            m = st.pending
             if st.done + m != r.num_tokens - 1:
                 raise RuntimeError(f"drafter out of sync for {r.rid}: {st.done}+{m} pairs")
             starts.append(st.done)
             tokens.append(_tokens(r, st.done + 1, st.done + 1 + m))
-            feats.append(f)
-            st.done, st.pending = st.done + m, []
-        padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)  # [B, M, F]
+            feats.append(st.take())  # [m, F]
+            st.done += m
+        padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)  # [B, M, F] (a copy)
         fb, ids = extend_batch(self.kv, reqs[0].row, starts, tokens, self.device)
         out = self.drafter(ids, padded.to(self.kv.storage.dtype), fb, self.kv.layers[0])
         lens = torch.tensor([len(t) for t in tokens], device=out.device)
