@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.staged import assert_switched_on_off_on, run_staged
 from tests.test_engine import PROMPTS
 from tests.tiny import make_tiny_drafter
 from tlt_serve import LLM, SamplingParams
@@ -49,7 +50,10 @@ def spec_configs(drafters: dict[str, Path], **kw: int) -> dict[str, SpecConfig]:
     out = {"ngram": SpecConfig(method="ngram", **kw)}
     for name, path in drafters.items():
         out[f"drafter-{name}"] = SpecConfig(
-            method="drafter", min_draft_confidence=0.0, drafter=str(path), **kw,
+            method="drafter",
+            min_draft_confidence=0.0,
+            drafter=str(path),
+            **kw,
         )
     out["tree"] = SpecConfig(
         method="drafter", drafter=str(drafters["plain"]), tree_topk=3, verify_budget=7, **kw
@@ -128,34 +132,19 @@ def test_bf16_greedy_with_the_own_kernels_is_bitwise_plain_decoding(
 
 def test_switching_on_and_off_mid_generation_stays_exact(tiny_model_dir, drafters) -> None:
     """max_batch 2: a lone request speculates, four more join (plain steps at batch 5), and
-    as they finish speculation comes back; the drafter catches up from stored features."""
+    as they finish speculation comes back; the drafter catches up from stored features, and
+    the target is never prefilled again for it (as many prefill steps as plain decoding)."""
     params = varied_params()
     configs = spec_configs(drafters, max_batch=2)
+    plain_eng = make_llm(tiny_model_dir).engine
+    ids = [plain_eng.tokenizer.encode(p) for p in PROMPTS]
+    plain = run_staged(plain_eng, ids, params)
     for spec in (configs[n] for n in ("ngram", "drafter-fused", "tree", "auto")):
-        plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
         eng = make_llm(tiny_model_dir, spec).engine
-        ids = [eng.tokenizer.encode(p) for p in PROMPTS]
-        tokens: dict[str, list[int]] = {}
-        eng.add_request("r0", ids[0], params[0])
-        batch_sizes, spec_steps = [], []
-        for step in range(400):
-            if step == 6:
-                for i in range(1, 5):
-                    eng.add_request(f"r{i}", ids[i], params[i])
-            before = eng.stats.spec_steps
-            running = len(eng.scheduler.running)
-            for out in eng.step():
-                tokens.setdefault(out.rid, []).extend(out.token_ids)
-            batch_sizes.append(running)
-            spec_steps.append(eng.stats.spec_steps > before)
-            if not eng.has_work():
-                break
-        for i, ref in enumerate(plain):
-            assert tokens[f"r{i}"] == ref.samples[0].token_ids, spec
-        on = [s for s, b in zip(spec_steps, batch_sizes, strict=True) if b > 2]
-        assert not any(on), "never speculates above max_batch"
-        first_big = batch_sizes.index(5)
-        assert any(spec_steps[:first_big]) and any(spec_steps[first_big:])
+        run = run_staged(eng, ids, params)
+        assert run.ids(len(PROMPTS)) == plain.ids(len(PROMPTS)), spec
+        assert_switched_on_off_on(run, max_batch=2)
+        assert eng.stats.prefill_steps == plain_eng.stats.prefill_steps, spec
 
 
 def test_auto_asks_ngram_first_and_never_chooses_it_without_drafts(
@@ -191,7 +180,10 @@ def test_confidence_cut_ends_chains_where_the_drafter_is_unsure(
     """min_draft_confidence: each chain keeps its drafts while the product of the drafter's
     probabilities stays >= the threshold; output stays exact."""
     base = SpecConfig(
-        method="drafter", min_draft_confidence=0.0, drafter=str(drafters["plain"]), max_batch=8,
+        method="drafter",
+        min_draft_confidence=0.0,
+        drafter=str(drafters["plain"]),
+        max_batch=8,
     )
     params = varied_params()
     plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
@@ -257,7 +249,9 @@ def test_group_samples_and_stop_strings_with_speculation(tiny_model_dir, drafter
 def test_drafts_never_run_past_limits(tiny_model_dir, drafters) -> None:
     """max_new_tokens 1 never drafts; a row near max_model_len drafts only what fits."""
     spec = SpecConfig(
-        method="drafter", min_draft_confidence=0.0, drafter=str(drafters["plain"]),
+        method="drafter",
+        min_draft_confidence=0.0,
+        drafter=str(drafters["plain"]),
         num_draft_tokens=8,
     )
     llm = make_llm(tiny_model_dir, spec, max_len=48)
@@ -315,7 +309,10 @@ def _spec_vs_plain_chi2(
     n = 1500
     batch = SamplingParams(**{**params.__dict__, "n": 50})
     spec = SpecConfig(
-        method="drafter", min_draft_confidence=0.0, drafter=str(drafter), max_batch=64,
+        method="drafter",
+        min_draft_confidence=0.0,
+        drafter=str(drafter),
+        max_batch=64,
         tree_topk=topk,
     )
     runs = {}
@@ -395,6 +392,12 @@ def test_bad_drafter_checkpoints_are_refused_with_the_reason(
     cfg["hidden_size"], cfg["tlt_drafter"]["feature_layers"] = 64, [0, 7]
     (bad / "config.json").write_text(json.dumps(cfg))
     refused(bad, r"feature_layers \[7\]")
+    cfg["tlt_drafter"]["feature_layers"] = list(json.loads(
+        (drafters["plain"] / "config.json").read_text()
+    )["tlt_drafter"]["feature_layers"])
+    cfg["vocab_size"], cfg["num_key_value_heads"] = cfg["vocab_size"] + 1, 1
+    (bad / "config.json").write_text(json.dumps(cfg))
+    refused(bad, r"vocab_size \d+ != target's \d+; num_kv_heads 1 != target's")
     (bad / "config.json").write_text("{not json")
     refused(bad, "unreadable config.json")
     corrupt = tmp_path / "corrupt"
@@ -471,6 +474,15 @@ def test_drafter_checkpoint_round_trips(tiny_model_dir, drafters, tmp_path) -> N
         (SpecConfig(method="ngram", ngram_min_n=3, ngram_max_n=2), "ngram_min_n"),
         (SpecConfig(method="ngram", min_draft_confidence=1.0), "min_draft_confidence"),
         (SpecConfig(method="ngram", min_draft_confidence=-0.1), "min_draft_confidence"),
+        (SpecConfig(method="drafter", drafter="d", tree_topk=0), "tree_topk"),
+        (SpecConfig(method="drafter", drafter="d", tree_topk=99), "tree_topk"),
+        (SpecConfig(method="ngram", tree_topk=2), "tree_topk"),
+        (SpecConfig(method="drafter", drafter="d", tree_topk=2, verify_budget=2), "verify_budget"),
+        (SpecConfig(method="drafter", drafter="d", tree_topk=2, verify_budget=99), "verify_budget"),
+        (SpecConfig(method="auto", drafter="d", auto_trees=((4, 1, 8),)), "auto_trees"),
+        (SpecConfig(method="auto", drafter="d", auto_trees=((4, 2, 3),)), "auto_trees"),
+        (SpecConfig(method="auto", auto_depths=()), "auto_depths"),
+        (SpecConfig(method="auto", auto_depths=(0, 4)), "auto_depths"),
     ],
 )
 def test_invalid_speculation_settings_name_the_field(spec, field) -> None:
