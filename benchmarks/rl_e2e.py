@@ -21,6 +21,7 @@ import shutil
 import statistics
 from pathlib import Path
 
+from benchmarks.host import host
 from benchmarks.serverproc import running_server
 from clients.grpo import GrpoConfig, GrpoLoop
 
@@ -108,7 +109,7 @@ def main() -> None:
         print({n: (s["rollout_speedup"], s["step_speedup"]) for n, s in summary.items()})
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    out = {"benchmark": "rl_e2e", "args": vars(a), "summary": summary,
+    out = {"benchmark": "rl_e2e", "machine": host(), "args": vars(a), "summary": summary,
            "steps": {n: [{k: v for k, v in r.items() if k != "lengths"} for r in recs]
                      for n, recs in results.items()}}
     path.write_text(json.dumps(out, indent=2))

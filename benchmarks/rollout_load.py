@@ -36,10 +36,12 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from benchmarks.host import host
 from benchmarks.load_client import Timed, stream_generate, stream_openai
 from benchmarks.prompts import chat_messages
 from benchmarks.serverproc import VLLM_SERVED_NAME, running_server, running_vllm
 from clients.tasks import make_problems, prompt_ids
+from tlt_serve.config import SpecConfig
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
 
@@ -123,6 +125,23 @@ def timeline(done: list[Timed], t0: float, bin_s: float) -> dict[str, list[float
     return {"t": [b * bin_s for b in range(bins)], "tok_s": tok, "running": running}
 
 
+def small_batch_phase(ends: list[float], max_batch: int) -> dict[str, float | None]:
+    """The part of a rollout that runs with at most ``max_batch`` sequences (where the
+    adaptive engine speculates), from the sorted completion times ``ends``, and the makespan
+    speedup that phase caps (Amdahl): ``ceiling_free`` if it took no time at all,
+    ``ceiling_2x`` if speculation ran it twice as fast. Before the last ``max_batch + 1``-th
+    completion more than ``max_batch`` sequences run."""
+    if len(ends) <= max_batch:
+        small = ends[-1] if ends else None
+    else:
+        small = ends[-1] - ends[len(ends) - max_batch - 1]
+    if small is None or not ends or ends[-1] <= small:  # nothing but the small phase
+        return {"small_batch_s": small, "ceiling_free": None, "ceiling_2x": 2.0 if ends else None}
+    makespan = ends[-1]
+    return {"small_batch_s": small, "ceiling_free": makespan / (makespan - small),
+            "ceiling_2x": makespan / (makespan - small / 2)}
+
+
 async def rollout_mode(url: str, a: argparse.Namespace, reqs: list, label: str) -> dict:
     limits = httpx.Limits(max_connections=len(reqs) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=7200, limits=limits) as http:
@@ -141,6 +160,7 @@ async def rollout_mode(url: str, a: argparse.Namespace, reqs: list, label: str) 
     ends = sorted(t.done - t0 for t in done if t.done is not None)
     stats["makespan_s"] = ends[-1] if ends else None
     stats["tail_s"] = ends[-1] - ends[int(0.9 * (len(ends) - 1))] if ends else None
+    stats.update(small_batch_phase(ends, a.spec_max_batch))
     stats["timeline"] = timeline(done, t0, a.bin_s)
     stats["lengths"] = sorted(t.tokens for t in done)
     return stats
@@ -245,7 +265,8 @@ def server_args(a: argparse.Namespace, config: str, rows: int) -> list[str]:
     if config in ("auto", "tlt") and a.drafter:
         flags += ["--drafter", a.drafter]
     return ["--model", a.model, "--dtype", a.dtype, "--max-num-seqs", str(rows),
-            "--max-model-len", str(a.max_model_len), *flags]
+            "--max-model-len", str(a.max_model_len),
+            "--spec-max-batch", str(a.spec_max_batch), *flags]
 
 
 def plot(results: dict[str, dict], mode: str, path: Path) -> None:
@@ -309,6 +330,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1, 4, 16, 64])
     ap.add_argument("--bin-s", type=float, default=2.0)
+    ap.add_argument("--spec-max-batch", type=int, default=SpecConfig.max_batch,
+                    help="the servers' --spec-max-batch (speculate at <= this many running)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/rollout_load.json")
     a = ap.parse_args()
@@ -330,17 +353,21 @@ def main() -> None:
     summary = {}
     for name, r in results.items():
         if a.mode == "rollout":
-            summary[name] = {k: r.get(k) for k in ("makespan_s", "tail_s", "tok_s", "tokens",
-                                                    "errors", "accept_length")}
+            summary[name] = {k: r.get(k) for k in ("makespan_s", "tail_s", "small_batch_s",
+                                                    "ceiling_free", "ceiling_2x", "tok_s",
+                                                    "tokens", "errors", "accept_length")}
             print(f"{name}: makespan {r['makespan_s']:.1f} s, tail {r['tail_s']:.1f} s, "
+                  f"{r['small_batch_s']:.1f} s at <= {a.spec_max_batch} running (speedup "
+                  f"ceiling x{r['ceiling_free'] or math.inf:.2f} if free, "
+                  f"x{r['ceiling_2x']:.2f} at 2x), "
                   f"{r['tok_s']:.1f} tok/s, accept {r.get('accept_length')}")
     if a.mode == "rollout" and len(results) > 1:
         base = next(iter(results.values()))["makespan_s"]
         summary["speedup_vs_first"] = {n: round(base / r["makespan_s"], 3)
                                        for n, r in results.items()}
         print("makespan speedup:", summary["speedup_vs_first"])
-    out = {"benchmark": "rollout_load", "args": {k: str(v) for k, v in vars(a).items()},
-           "summary": summary, "results": results}
+    out = {"benchmark": "rollout_load", "machine": host(),
+           "args": {k: str(v) for k, v in vars(a).items()}, "summary": summary, "results": results}
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from benchmarks.load_client import Timed
-from benchmarks.rollout_load import latency_stats, timeline
+from benchmarks.rollout_load import latency_stats, small_batch_phase, timeline
 from clients.tasks import STYLES, Problem, make_problems, reward, solution
 
 
@@ -53,3 +53,17 @@ def test_load_bookkeeping() -> None:
     tl = timeline([a, b], t0, 1.0)
     assert sum(tl["tok_s"]) == pytest.approx(7.0)  # every token lands in one 1 s bin
     assert tl["running"][0] == 2 and tl["running"][-1] == 1
+
+
+def test_small_batch_phase_bounds_what_tail_speculation_can_gain() -> None:
+    # 5 sequences ending at 1..4 s and 10 s: <= 2 running from the 3rd completion (3 s) on.
+    s = small_batch_phase([1.0, 2.0, 3.0, 4.0, 10.0], max_batch=2)
+    assert s["small_batch_s"] == pytest.approx(7.0)
+    assert s["ceiling_free"] == pytest.approx(10 / 3)
+    assert s["ceiling_2x"] == pytest.approx(10 / 6.5)
+    # Never as few as 2 running before the end: nothing to gain.
+    s = small_batch_phase([5.0, 5.0, 5.0, 5.0], max_batch=2)
+    assert s["small_batch_s"] == 0 and s["ceiling_free"] == 1.0
+    # All of it runs small.
+    s = small_batch_phase([1.0, 3.0], max_batch=8)
+    assert s["small_batch_s"] == 3.0 and s["ceiling_free"] is None and s["ceiling_2x"] == 2.0
