@@ -3,7 +3,8 @@
 Chat/reasoning/code prompts (benchmarks/prompts.py, not the warm-up prompts; each sequence of
 a run its own, each configuration the same ones), same number of new tokens (EOS ignored), at
 each batch size, every configuration measured in turn within one run (interleaved over
-repeats in alternating order, median taken) and reported as ratios to plain decoding.
+repeats in alternating order) and reported as ratios to plain decoding: the median over
+repeats of each repeat's ratio to the plain run beside it, with their range.
 ``ngram`` and ``drafter`` speculate at every batch size (to show where speculation stops
 paying); ``adaptive`` is what the server does by default (``--speculative auto``): speculate
 only while at most ``max_batch`` sequences run.
@@ -100,7 +101,7 @@ def main() -> None:
     for llm in llms.values():  # warm-up: kernels, allocator, first-call overheads
         llm.generate([tok.apply_chat_template(chat_messages(0))], SamplingParams(max_new_tokens=8))
 
-    results: dict[str, dict[str, dict[str, float]]] = {name: {} for name in specs}
+    results: dict[str, dict[str, dict[str, float | list[float]]]] = {name: {} for name in specs}
     total = len(batches) * args.repeats * len(specs)
     bar = tqdm(total=total, desc="spec_decode")
     first = 1  # prompt 0 warmed up; every later sequence gets a prompt of its own
@@ -118,14 +119,19 @@ def main() -> None:
                 bar.set_postfix(bs=bs, config=name)
                 runs[name].append(run(llm, prompts, params))
                 bar.update()
-        plain_tps = statistics.median(r.tokens_per_s for r in runs["plain"])
         ref = runs["plain"][0].tokens
         for name, rs in runs.items():
             tps = statistics.median(r.tokens_per_s for r in rs)
             same = sum(a == b for a, b in zip(rs[0].tokens, ref, strict=True)) / bs
+            # Each repeat's ratio to plain decoding measured next to it (same prompts, a few
+            # seconds apart): the machine's speed drifts by more than ±10% between repeats, so
+            # paired ratios say more than a ratio of medians; their range shows the noise.
+            pairs = zip(rs, runs["plain"], strict=True)
+            ratios = [r.tokens_per_s / p.tokens_per_s for r, p in pairs]
             results[name][str(bs)] = {
                 "tokens_per_s": round(tps, 2),
-                "speedup": round(tps / plain_tps, 3),
+                "speedup": round(statistics.median(ratios), 3),
+                "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)],
                 "accept_length": round(statistics.mean(r.accept_length for r in rs), 3),
                 "verify_fraction": round(statistics.mean(r.verify_fraction for r in rs), 3),
                 "same_tokens_as_plain": round(same, 3),
@@ -172,14 +178,21 @@ def plot(report: dict, path: Path) -> None:  # type: ignore[type-arg]
     for i, name in enumerate(names):
         xs = [j + i * width for j in range(len(batches))]
         ax1.bar(xs, [results[name][b]["tokens_per_s"] for b in batches], width, label=name)
-        ax2.plot(batches, [results[name][b]["speedup"] for b in batches], marker="o", label=name)
+        mid = [results[name][b]["speedup"] for b in batches]
+        r = results[name]
+        spans = [r[b].get("speedup_range", [m, m]) for b, m in zip(batches, mid, strict=True)]
+        err = [
+            [m - lo for m, (lo, _) in zip(mid, spans, strict=True)],
+            [hi - m for m, (_, hi) in zip(mid, spans, strict=True)],
+        ]
+        ax2.errorbar(batches, mid, yerr=err, marker="o", capsize=3, label=name)
     ax1.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(batches))], batches)
     ax1.set_xlabel("batch size")
     ax1.set_ylabel("tokens / s")
     ax1.legend()
     ax2.axhline(1.0, color="grey", lw=0.8)
     ax2.set_xlabel("batch size")
-    ax2.set_ylabel("speedup vs plain")
+    ax2.set_ylabel("speedup vs plain (median of paired repeats, range)")
     ax2.legend()
     fig.suptitle(
         f"{report['model']} {report['dtype']}, {report['new_tokens']} new tokens, depth "
