@@ -65,6 +65,19 @@ def _chunks(tensors: Mapping[str, torch.Tensor], chunk_bytes: int) -> list[bytes
     return [blob[i : i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)] or [b""]
 
 
+def _upload_parts(
+    tensors: Mapping[str, torch.Tensor], weight_version: str | None, chunk_bytes: int,
+    upload_id: str,
+) -> Iterator[tuple[dict[str, Any], bytes]]:
+    """(query params, body) of each ``/update_weights_from_tensor`` chunk, in order."""
+    chunks = _chunks(tensors, chunk_bytes)
+    for i, data in enumerate(chunks):
+        params: dict[str, Any] = {"chunk": i, "num_chunks": len(chunks), "upload_id": upload_id}
+        if weight_version is not None:
+            params["weight_version"] = weight_version
+        yield params, data
+
+
 class Client:
     """Synchronous client (one ``httpx.Client``; thread-safe for concurrent calls)."""
 
@@ -135,13 +148,8 @@ class Client:
         chunk_bytes: int = UPLOAD_CHUNK_BYTES, upload_id: str = "client",
     ) -> dict:
         """Upload named tensors (HF names) as a safetensors payload, in chunks."""
-        chunks = _chunks(tensors, chunk_bytes)
         out: dict = {}
-        for i, data in enumerate(chunks):
-            params: dict[str, Any] = {"chunk": i, "num_chunks": len(chunks),
-                                      "upload_id": upload_id}
-            if weight_version is not None:
-                params["weight_version"] = weight_version
+        for params, data in _upload_parts(tensors, weight_version, chunk_bytes, upload_id):
             out = dict(self._post("/update_weights_from_tensor", None, content=data,
                                   params=params))
         return out
@@ -191,6 +199,11 @@ class AsyncClient:
         raise_for(resp)
         return resp.json()
 
+    async def _get(self, path: str, **kw: Any) -> Any:
+        resp = await self.http.get(path, **kw)
+        raise_for(resp)
+        return resp.json()
+
     async def generate(
         self, prompts: Sequence[Sequence[int]], n: int = 1, return_logprob: bool = False,
         **sampling: Any,
@@ -227,7 +240,30 @@ class AsyncClient:
         return dict(await self._post("/update_weights_from_disk",
                                      {"model_path": path, "weight_version": weight_version}))
 
+    async def update_weights_from_tensors(
+        self, tensors: Mapping[str, torch.Tensor], weight_version: str | None = None,
+        chunk_bytes: int = UPLOAD_CHUNK_BYTES, upload_id: str = "client",
+    ) -> dict:
+        out: dict = {}
+        for params, data in _upload_parts(tensors, weight_version, chunk_bytes, upload_id):
+            out = dict(await self._post("/update_weights_from_tensor", None, content=data,
+                                        params=params))
+        return out
+
+    async def pause_drafter_training(self) -> None:
+        await self._post("/pause_drafter_training", {})
+
+    async def resume_drafter_training(self) -> None:
+        await self._post("/resume_drafter_training", {})
+
+    async def weight_version(self) -> str:
+        return str((await self._get("/get_weight_version"))["weight_version"])
+
+    async def health(self) -> bool:
+        return (await self.http.get("/health")).status_code == 200
+
+    async def server_info(self) -> dict:
+        return dict(await self._get("/get_server_info"))
+
     async def drafter_info(self) -> dict:
-        resp = await self.http.get("/get_drafter_info")
-        raise_for(resp)
-        return dict(resp.json())
+        return dict(await self._get("/get_drafter_info"))

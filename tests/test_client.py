@@ -108,6 +108,27 @@ def test_async_client_matches_sync(client: Client, served: Served) -> None:
     assert parts[-1].token_ids == sync[1][0].token_ids
 
 
+def test_async_client_pushes_weights_and_reads_versions(served: Served) -> None:
+    tensors = load_file(str(Path(served.model_dir) / "model.safetensors"))
+
+    async def go() -> None:
+        async with AsyncClient(served.base_url) as c:
+            assert await c.health()
+            out = await c.update_weights_from_tensors(tensors, "a1", chunk_bytes=50_000)
+            assert out["success"] and await c.weight_version() == "a1"
+            (sample,), = await c.generate([PROMPTS[0]], max_new_tokens=3, ignore_eos=True)
+            assert sample.weight_version == "a1"
+            name = next(iter(tensors))
+            with pytest.raises(BadRequest):  # wrong shape: refused, old weights kept
+                await c.update_weights_from_tensors({**tensors, name: tensors[name][:1]}, "a2")
+            assert await c.weight_version() == "a1"
+            assert (await c.update_weights_from_disk(str(served.model_dir), "a3"))["success"]
+            info = await c.server_info()
+            assert info["weight_version"] == "a3"
+
+    asyncio.run(go())
+
+
 def test_distributed_push(client: Client, served: Served) -> None:
     from benchmarks.serverproc import free_port
     from clients.dist import DistributedPusher
