@@ -220,3 +220,17 @@ def sigterm_with_a_stream_in_flight(
     newest = checkpoints(state)[0]
     assert newest.stat().st_mtime >= sent - 1  # written on the way out
 
+
+
+def test_a_fused_drafter_is_refused_with_the_reason(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Capture keeps a fused drafter's input features, not the final hidden states its loss
+    needs: the online trainer says so at start instead of failing on shapes mid-training."""
+    fused = make_tiny_drafter(tiny_model_dir, tmp_path / "fused", seed=5, feature_layers=(0, 1))
+    spec = SpecConfig(method="drafter", min_draft_confidence=0.0, drafter=str(fused))
+    s = serve(tiny_model_dir, spec=spec, capture=CaptureConfig(enabled=True))
+    try:
+        cfg = config(s, tmp_path / "state", fused, init=None)
+        with pytest.raises(ValueError, match=r"^feature_layers: .*fuses target layers \[0, 1\]"):
+            OnlineTrainer(cfg, ServerLink(s.base_url))
+    finally:
+        s.stop()

@@ -88,32 +88,54 @@ def test_loss_decreases_and_beats_the_untrained_drafter(trained: WarmupResult) -
     assert report["data"]["heldout_sequences"] == 8 and report["timings"]["total_s"] > 0
 
 
+def serve_greedy(model_dir: Path, spec: SpecConfig) -> tuple[list[list[int]], LLM]:
+    """Greedy answers of the tiny model to four unseen prompts, with ``spec``."""
+    config = EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256),
+        cache=CacheConfig(max_num_seqs=4),
+        spec=spec,
+        num_threads=1,
+    )
+    llm = LLM(config=config)
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+               for p in build_prompts(4, seed=99)]  # fmt: skip
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    return [g.samples[0].token_ids for g in llm.generate(prompts, params)], llm
+
+
+def assert_serves_losslessly_with_accepted_drafts(drafter: Path, model_dir: Path) -> None:
+    plain, _ = serve_greedy(model_dir, SpecConfig())
+    spec = SpecConfig(method="drafter", min_draft_confidence=0.0, drafter=str(drafter))
+    out, llm = serve_greedy(model_dir, spec)
+    assert out == plain
+    assert llm.engine.stats.spec_accepted > 0
+
+
 def test_checkpoint_serves_losslessly_with_accepted_drafts(
     trained: WarmupResult, sharp_model_dir: Path
 ) -> None:
     target = build_model(sharp_model_dir, torch.float32, 256)
     drafter = load_drafter(trained.path, target)
     assert drafter.spec.draft_vocab_size == 256 and drafter.spec.version == 1
+    assert_serves_losslessly_with_accepted_drafts(trained.path, sharp_model_dir)
 
-    def run(spec: SpecConfig) -> tuple[list[list[int]], LLM]:
-        config = EngineConfig(
-            model=ModelConfig(model=str(sharp_model_dir), dtype="float32", max_model_len=256),
-            cache=CacheConfig(max_num_seqs=4),
-            spec=spec,
-            num_threads=1,
-        )
-        llm = LLM(config=config)
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                   for p in build_prompts(4, seed=99)]  # fmt: skip
-        params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
-        return [g.samples[0].token_ids for g in llm.generate(prompts, params)], llm
 
-    plain, _ = run(SpecConfig())
-    spec, llm = run(SpecConfig(
-        method="drafter", min_draft_confidence=0.0, drafter=str(trained.path),
-    ))
-    assert spec == plain
-    assert llm.engine.stats.spec_accepted > 0
+def test_fused_warmup_trains_a_drafter_that_serves_losslessly(
+    sharp_model_dir: Path, tmp_path: Path
+) -> None:
+    """--feature-layers: an EAGLE-3 style drafter reading two target layers' residual
+    streams, trained to predict the final hidden state; the engine serves it exactly."""
+    args = build_parser().parse_args([
+        "warmup", "--model", str(sharp_model_dir), "--out", str(tmp_path / "fused"), *TINY,
+        "--feature-layers", "0,1",
+    ])  # fmt: skip
+    result = warmup(config_from_args(args))
+    loss = result.history.loss
+    assert sum(loss[-15:]) / 15 < 0.8 * sum(loss[:15]) / 15
+    assert result.accept.accept_length > result.accept_untrained.accept_length + 0.3
+    target = build_model(sharp_model_dir, torch.float32, 256)
+    assert load_drafter(result.path, target).spec.feature_layers == (0, 1)
+    assert_serves_losslessly_with_accepted_drafts(result.path, sharp_model_dir)
 
 
 def test_same_seed_same_checkpoint_via_the_cli(
@@ -143,6 +165,9 @@ def test_same_seed_same_checkpoint_via_the_cli(
         (["--dtype", "float16"], "--dtype"),
         (["--steps", "many"], "--steps"),
         (["--model", "/nonexistent/model"], "--model"),
+        (["--feature-layers", "0,0"], "--feature-layers"),
+        (["--feature-layers", "0,x"], "--feature-layers"),
+        (["--feature-layers", "0,99"], "--feature-layers"),
     ],
 )
 def test_cli_rejects_bad_args_naming_the_flag(argv, flag, tiny_model_dir, tmp_path, capsys) -> None:

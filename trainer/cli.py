@@ -29,6 +29,7 @@ FLAGS = {
     "temperature": "--temperature",
     "max_num_seqs": "--max-num-seqs",
     "draft_vocab": "--draft-vocab",
+    "feature_layers": "--feature-layers",
     "steps": "--steps",
     "batch_tokens": "--batch-tokens",
     "row_len": "--row-len",
@@ -39,6 +40,14 @@ FLAGS = {
     "eval_depth": "--eval-depth",
     "out": "--out",
 }
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    """'2,15,27' → (2, 15, 27)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated layer indices, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.draft_vocab_size,
         metavar="V",
         help="draft head size (most frequent tokens); 0 = full vocabulary",
+    )
+    w.add_argument(
+        "--feature-layers",
+        type=_layers,
+        default=d.feature_layers,
+        metavar="I,J,K",
+        help="fuse these target layers' residual streams (EAGLE-3 style, e.g. 2,15,27 for "
+        "low / mid / high of 30 layers); default: the final hidden state (EAGLE-1)",
     )
     w.add_argument("--steps", type=int, default=t.steps, metavar="S")
     w.add_argument("--batch-tokens", type=int, default=t.batch_tokens, metavar="B")
@@ -196,6 +213,8 @@ def run_online(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         except LinkError as err:
             logging.getLogger("trainer.online").warning("waiting for the server: %s", err)
             time.sleep(2.0)
+        except ValueError as err:
+            parser.error(str(err))
     signal.signal(signal.SIGTERM, lambda *_: trainer.stop.set())
     with contextlib.suppress(KeyboardInterrupt):
         trainer.run()
@@ -221,6 +240,7 @@ def config_from_args(args: argparse.Namespace) -> WarmupConfig:
             temperature=args.temperature,
             max_num_seqs=args.max_num_seqs,
             draft_vocab_size=args.draft_vocab,
+            feature_layers=args.feature_layers,
         ),
         train=TrainConfig(
             steps=args.steps,
@@ -251,12 +271,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg.validate()
     except ValueError as err:
         parser.error(flag_message(err))
+    from tlt_serve.models.arch import ArchConfig
     from tlt_serve.models.provision import resolve_model_path
 
     try:
-        resolve_model_path(cfg.model)
+        num_layers = ArchConfig.from_dir(resolve_model_path(cfg.model)).num_layers
     except (FileNotFoundError, ValueError) as err:
         parser.error(f"--model: {err}")
+    bad = [i for i in cfg.data.feature_layers if i >= num_layers]
+    if bad:
+        parser.error(f"--feature-layers: {bad} outside the target's {num_layers} layers")
     result = warmup(cfg)
     offline = result.report["offline"]
     print(json.dumps({"out": str(result.path), **result.report["timings"]}), file=sys.stderr)

@@ -7,6 +7,9 @@
 2. ``target_features``: one teacher-forced forward of prompt + response through the target
    gives the final post-norm hidden state ``f_i`` of every position (what the engine hands a
    drafter). Pair i of a sequence is (f_i, x_{i+1}) and predicts f_{i+1} (see drafter.py).
+   For a fused (EAGLE-3 style) drafter, ``fused_features`` gives the input feature of each
+   position (the residual streams after ``feature_layers``, concatenated) beside the final
+   hidden state that is still what the drafter predicts.
 3. ``build_draft_vocab``: the most frequent response tokens, for the sliced draft head.
 """
 
@@ -41,6 +44,9 @@ class DataConfig:
     max_num_seqs: int = 64  # engine rows while generating
     feature_batch_tokens: int = 4096  # padded tokens per teacher-forced forward
     draft_vocab_size: int = 8192  # 0 = the full target vocabulary
+    # Target layers whose residual streams a fused (EAGLE-3 style) drafter reads, low / mid /
+    # high; () = the final hidden state (EAGLE-1)
+    feature_layers: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if self.prompts not in PROMPT_SOURCES:
@@ -61,6 +67,9 @@ class DataConfig:
             raise ValueError(f"feature_batch_tokens: must be >= 1, got {self.feature_batch_tokens}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab: must be >= 0, got {self.draft_vocab_size}")
+        layers = self.feature_layers
+        if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"feature_layers: need distinct indices >= 0, got {list(layers)}")
 
 
 @dataclass(frozen=True)
@@ -68,8 +77,16 @@ class Sample:
     """One prompt + response of the target."""
 
     tokens: torch.Tensor  # [L] long: prompt then response
-    features: torch.Tensor  # [L, H] target final hidden states (the model's dtype)
+    features: torch.Tensor  # [L, F] the drafter's input features (the model's dtype)
     prompt_len: int
+    # [L, H] the target's final hidden states, the training targets; None: ``features``
+    # are those (EAGLE-1), not fused target layers
+    targets: torch.Tensor | None = None
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """[L, H] the final hidden states (what the drafter learns to predict)."""
+        return self.features if self.targets is None else self.targets
 
     @property
     def num_pairs(self) -> int:
@@ -97,7 +114,25 @@ def generate(
 def target_features(
     model: LlamaModel, sequences: Sequence[list[int]], batch_tokens: int
 ) -> list[torch.Tensor]:
-    """Teacher-forced forward of each token sequence → its features [L, H] (model dtype).
+    """Teacher-forced forward of each token sequence → its final hidden states [L, H]."""
+    return _teacher_forced(model, sequences, batch_tokens, ())[0]
+
+
+def fused_features(
+    model: LlamaModel, sequences: Sequence[list[int]], batch_tokens: int, layers: Sequence[int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Teacher-forced forward → per sequence the fused input features [L, len(layers) * H]
+    (residual streams after ``layers``, concatenated as the engine does) and the final
+    hidden states [L, H]."""
+    hidden, fused = _teacher_forced(model, sequences, batch_tokens, tuple(layers))
+    return fused, hidden
+
+
+def _teacher_forced(
+    model: LlamaModel, sequences: Sequence[list[int]], batch_tokens: int, layers: tuple[int, ...]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(final hidden states [L, H], fused layer features [L, kH] or none) per sequence, in
+    the model's dtype.
 
     Sequences run in length-sorted batches of at most ``batch_tokens`` padded tokens, each
     in a fresh KV cache sized to the batch.
@@ -106,6 +141,7 @@ def target_features(
     device = str(model.embed_tokens.weight.device)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     out: list[torch.Tensor | None] = [None] * len(sequences)
+    aux: list[torch.Tensor | None] = [None] * len(sequences)
     bar = tqdm(total=sum(len(s) for s in sequences), desc="features", unit="tok")
     lo = 0
     while lo < len(order):
@@ -116,13 +152,16 @@ def target_features(
         max_len = max(len(s) for s in group)
         kv = KVCache(model.cfg, len(group), max_len, dtype, device)
         fb, ids = extend_batch(kv, 0, [0] * len(group), group, device, pack=True)
-        hidden = model(ids, fb, kv.layers).hidden  # [B, Q, H]
+        run = model(ids, fb, kv.layers, layers)
+        fused = torch.cat(run.aux, dim=-1) if layers else None  # [B, Q, kH]
         for b, i in enumerate(order[lo:hi]):
-            out[i] = hidden[b, : len(sequences[i])].clone()  # [L, H]
+            out[i] = run.hidden[b, : len(sequences[i])].clone()  # [L, H]
+            if fused is not None:
+                aux[i] = fused[b, : len(sequences[i])].clone()  # [L, kH]
         bar.update(sum(len(s) for s in group))
         lo = hi
     bar.close()
-    return [f for f in out if f is not None]
+    return [f for f in out if f is not None], [f for f in aux if f is not None]
 
 
 def build_draft_vocab(
@@ -153,9 +192,14 @@ def build_draft_vocab(
 
 
 def make_samples(
-    prompts: Sequence[list[int]], responses: Sequence[list[int]], features: Sequence[torch.Tensor]
+    prompts: Sequence[list[int]],
+    responses: Sequence[list[int]],
+    features: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor] | None = None,
 ) -> list[Sample]:
+    """``targets``: the final hidden states when ``features`` are fused target layers."""
+    hidden: Sequence[torch.Tensor | None] = [None] * len(features) if targets is None else targets
     return [
-        Sample(torch.tensor(p + r, dtype=torch.long), f, len(p))
-        for p, r, f in zip(prompts, responses, features, strict=True)
+        Sample(torch.tensor(p + r, dtype=torch.long), f, len(p), t)
+        for p, r, f, t in zip(prompts, responses, features, hidden, strict=True)
     ]

@@ -74,11 +74,11 @@ def prepare_heldout(
 
 def chain_drafts(drafter: DrafterModel, b: PackedBatch, depth: int) -> list[torch.Tensor]:
     """Greedy chain drafts from every slot: ``depth`` token tensors [B, Q]."""
-    B, Q, H = b.features.shape
+    B, Q = b.tokens.shape
     drafts: list[torch.Tensor] = []
 
-    def draft(out: torch.Tensor) -> torch.Tensor:
-        index = drafter.draft_logits(out.reshape(B * Q, H)).argmax(-1)  # [BQ]
+    def draft(out: torch.Tensor) -> torch.Tensor:  # out [B, Q, H]
+        index = drafter.draft_logits(out.reshape(B * Q, -1)).argmax(-1)  # [BQ]
         return drafter.to_token_ids(index).view(B, Q)  # [B, Q]
 
     def next_tokens(j: int, out: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,13 @@ class OnlineTrainer:
     # ---- set-up ------------------------------------------------------------------------
     def _initial_drafter(self, info: dict[str, Any]) -> DrafterModel:
         layers = tuple(int(i) for i in info.get("feature_layers") or ())
+        if layers:
+            raise ValueError(
+                f"feature_layers: the server's drafter fuses target layers {list(layers)}; "
+                "online training needs the target's final hidden states beside them, which "
+                "capture does not keep: serve an EAGLE-1 drafter (tlt-train warmup without "
+                "--feature-layers) to adapt it online"
+            )
         resumed = load_latest(self.state_dir)
         if resumed is not None:
             path, payload = resumed

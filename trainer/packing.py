@@ -28,8 +28,8 @@ class PackedBatch:
     """B rows of Q pair slots; padding slots have ``seg`` -1 and no loss."""
 
     tokens: torch.Tensor  # [B, Q] long: x_{i+1}
-    features: torch.Tensor  # [B, Q, H] fp32: f_i
-    targets: torch.Tensor  # [B, Q, H] fp32: f_{i+1}
+    features: torch.Tensor  # [B, Q, F] fp32: f_i (F = H, or k*H fused target layers)
+    targets: torch.Tensor  # [B, Q, H] fp32: the target's final hidden state at i + 1
     seg: torch.Tensor  # [B, Q] long: segment id, -1 for padding
     positions: torch.Tensor  # [B, Q] long: i
     loss_mask: torch.Tensor  # [B, Q] bool: x_{i+1} is a response token (i >= prompt_len - 1)
@@ -78,9 +78,10 @@ def make_batch(rows: Sequence[Sequence[Segment]], samples: Sequence[Sample]) -> 
     """Tensors for a list of packed rows (right-padded to the fullest row)."""
     B = len(rows)
     Q = max(sum(s.end - s.start for s in row) for row in rows)
-    H = int(samples[rows[0][0].sample].features.shape[-1])
+    first = samples[rows[0][0].sample]
+    F, H = int(first.features.shape[-1]), int(first.hidden.shape[-1])
     tokens = torch.zeros(B, Q, dtype=torch.long)
-    features = torch.zeros(B, Q, H)
+    features = torch.zeros(B, Q, F)
     targets = torch.zeros(B, Q, H)
     seg = torch.full((B, Q), -1, dtype=torch.long)
     positions = torch.zeros(B, Q, dtype=torch.long)
@@ -94,7 +95,7 @@ def make_batch(rows: Sequence[Sequence[Segment]], samples: Sequence[Sample]) -> 
             pairs = torch.arange(s.start, s.end)  # [n]
             tokens[b, q : q + n] = sample.tokens[s.start + 1 : s.end + 1]
             features[b, q : q + n] = sample.features[s.start : s.end].float()
-            targets[b, q : q + n] = sample.features[s.start + 1 : s.end + 1].float()
+            targets[b, q : q + n] = sample.hidden[s.start + 1 : s.end + 1].float()
             seg[b, q : q + n] = sid
             positions[b, q : q + n] = pairs
             loss_mask[b, q : q + n] = pairs >= sample.prompt_len - 1

@@ -27,6 +27,7 @@ from trainer.data import (
     DataConfig,
     Sample,
     build_draft_vocab,
+    fused_features,
     generate,
     make_samples,
     target_features,
@@ -104,7 +105,9 @@ def collect(cfg: WarmupConfig, model_path: Path, timings: dict[str, float]) -> C
     if cache is not None and cache.is_file():
         saved = torch.load(cache, weights_only=True)
         if saved.get("key") == key:
-            samples = make_samples(saved["prompts"], saved["responses"], saved["features"])
+            samples = make_samples(
+                saved["prompts"], saved["responses"], saved["features"], saved.get("targets")
+            )
             timings.update({f"cached_{k}": v for k, v in saved["timings"].items()})
             return Collected(saved["prompts"], saved["responses"], samples, saved["max_len"])
     tokenizer = load_tokenizer(model_path)
@@ -131,6 +134,10 @@ def collect(cfg: WarmupConfig, model_path: Path, timings: dict[str, float]) -> C
             num_threads=cfg.threads,
         )
     )
+    num_layers = llm.engine.model.cfg.num_layers
+    bad = [i for i in cfg.data.feature_layers if i >= num_layers]
+    if bad:  # before minutes of generation, not after
+        raise ValueError(f"feature_layers: {bad} outside the target's {num_layers} layers")
     if n_self:
         written = chat(self_prompts(llm, tokenizer, n_self, cfg.seed))
         timings["prompts_s"] = time.perf_counter() - t
@@ -147,7 +154,12 @@ def collect(cfg: WarmupConfig, model_path: Path, timings: dict[str, float]) -> C
     target = llm.engine.model
     del llm  # frees the engine's KV cache; the model lives on
     seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
-    feats = target_features(target, seqs, cfg.data.feature_batch_tokens)
+    layers = cfg.data.feature_layers
+    targets: list[torch.Tensor] | None = None
+    if layers:
+        feats, targets = fused_features(target, seqs, cfg.data.feature_batch_tokens, layers)
+    else:
+        feats = target_features(target, seqs, cfg.data.feature_batch_tokens)
     timings["features_s"] = time.perf_counter() - t
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -157,12 +169,14 @@ def collect(cfg: WarmupConfig, model_path: Path, timings: dict[str, float]) -> C
                 "prompts": prompts,
                 "responses": responses,
                 "features": feats,
+                "targets": targets,
                 "max_len": max_len,
                 "timings": dict(timings),
             },
             cache,
         )
-    return Collected(prompts, responses, make_samples(prompts, responses, feats), max_len)
+    samples = make_samples(prompts, responses, feats, targets)
+    return Collected(prompts, responses, samples, max_len)
 
 
 def _cache_key(cfg: WarmupConfig, model_path: Path) -> str:
@@ -187,7 +201,12 @@ def _warmup(cfg: WarmupConfig) -> WarmupResult:
     vocab_size = stub.cfg.vocab_size
     # A draft vocabulary as large as the target's is no slice: use the full head.
     size = cfg.data.draft_vocab_size if cfg.data.draft_vocab_size < vocab_size else 0
-    spec = DrafterSpec(draft_vocab_size=size, version=1, target_weight_version="0")
+    spec = DrafterSpec(
+        feature_layers=cfg.data.feature_layers,
+        draft_vocab_size=size,
+        version=1,
+        target_weight_version="0",
+    )
     drafter = new_drafter(stub, spec, cfg.seed)
     if spec.draft_vocab_size:
         vocab = build_draft_vocab(
