@@ -112,6 +112,7 @@ def make_tiny_drafter(
             H = target.cfg.hidden_size
             drafter.fuse.weight.zero_()
             drafter.fuse.weight[:, -H:].copy_(torch.eye(H))
+            drafter.fuse_norm.weight.copy_(target.norm.weight)  # = the target's final norm
         if draft_vocab_size:
             drafter.draft_vocab.copy_(
                 torch.randperm(target.cfg.vocab_size, generator=gen)[:draft_vocab_size]

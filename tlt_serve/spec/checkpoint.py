@@ -7,7 +7,8 @@ Layout (EAGLE-1 compatible names, so vLLM / SGLang EAGLE loaders read the tensor
   ``{"format": 1, "feature_layers": [...], "draft_vocab_size": N, "version": V,
   "target_weight_version": "..."}``.
 - ``model.safetensors``: ``fc.weight`` [H, 2H] and ``fc.bias`` [H] over
-  ``cat(embedding, feature)``; ``fuse.weight`` [H, kH] when fusing k target layers;
+  ``cat(embedding, feature)``; ``fuse.weight`` [H, kH] and ``fuse_norm.weight`` [H]
+  when fusing k target layers;
   ``layers.0.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, post_attention_layernorm}``
   (+ q/k norms or qkv biases as the architecture has); ``draft_vocab`` int64 [N] when the
   head is sliced. No embedding or lm_head: those are the target's.
@@ -143,7 +144,8 @@ def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _slot_of(arch: ArchConfig, spec: DrafterSpec):  # type: ignore[no-untyped-def]
-    own = {"fc.weight", "fc.bias"} | ({"fuse.weight"} if spec.feature_layers else set())
+    fused = {"fuse.weight", "fuse_norm.weight"} if spec.feature_layers else set()
+    own = {"fc.weight", "fc.bias"} | fused
 
     def slot(name: str) -> ParamSlot | None:
         if name in own:

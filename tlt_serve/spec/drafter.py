@@ -27,7 +27,7 @@ from torch import nn
 
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.batch import ForwardBatch
-from tlt_serve.models.llama import DecoderLayer, KVLayer, Linear, LlamaModel
+from tlt_serve.models.llama import DecoderLayer, KVLayer, Linear, LlamaModel, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,12 @@ class DrafterModel(nn.Module):
         H = cfg.hidden_size
         if spec.feature_layers:
             self.fuse = Linear(H * len(spec.feature_layers), H, bias=False)
+            # Residual streams inside the target are far from the final (normed) hidden
+            # state's scale and grow with depth; projected as they are, a fresh drafter's
+            # outputs were ~10x off and warm-up diverged (loss 17 -> 130 within 50 steps at
+            # lr 2e-3). A norm after the projection puts them on the scale of the drafter's
+            # own fed-back outputs (EAGLE-3 normalizes its fused hidden states too).
+            self.fuse_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.fc = Linear(2 * H, H, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: no norm on the fc output
@@ -82,7 +88,7 @@ class DrafterModel(nn.Module):
         are target features (F = kH, projected by ``fuse`` when configured).
         """
         if self.spec.feature_layers and not fused:
-            features = self.fuse(features)
+            features = self.fuse_norm(self.fuse(features))  # [B, Q, kH] -> [B, Q, H]
         emb = self.target.embed_tokens(token_ids).to(features.dtype)  # [B, Q, H]
         x = self.fc(torch.cat([emb, features], dim=-1))  # [B, Q, H]
         table: torch.Tensor = self.target.rope_table  # type: ignore[assignment]  # same rotary
