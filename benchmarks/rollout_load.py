@@ -131,15 +131,13 @@ def small_batch_phase(ends: list[float], max_batch: int) -> dict[str, float | No
     speedup that phase caps (Amdahl): ``ceiling_free`` if it took no time at all,
     ``ceiling_2x`` if speculation ran it twice as fast. Before the last ``max_batch + 1``-th
     completion more than ``max_batch`` sequences run."""
-    if len(ends) <= max_batch:
-        small = ends[-1] if ends else None
-    else:
-        small = ends[-1] - ends[len(ends) - max_batch - 1]
-    if small is None or not ends or ends[-1] <= small:  # nothing but the small phase
-        return {"small_batch_s": small, "ceiling_free": None, "ceiling_2x": 2.0 if ends else None}
+    if not ends or ends[-1] <= 0:
+        return {"small_batch_s": None, "ceiling_free": None, "ceiling_2x": None}
     makespan = ends[-1]
-    return {"small_batch_s": small, "ceiling_free": makespan / (makespan - small),
-            "ceiling_2x": makespan / (makespan - small / 2)}
+    small = makespan if len(ends) <= max_batch else makespan - ends[-max_batch - 1]
+    big = makespan - small  # seconds with more than max_batch running
+    return {"small_batch_s": small, "ceiling_free": makespan / big if big > 0 else None,
+            "ceiling_2x": makespan / (big + small / 2)}
 
 
 async def rollout_mode(url: str, a: argparse.Namespace, reqs: list, label: str) -> dict:

@@ -278,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         num_layers = ArchConfig.from_dir(resolve_model_path(cfg.model)).num_layers
     except (FileNotFoundError, ValueError) as err:
         parser.error(f"--model: {err}")
-    bad = [i for i in cfg.data.feature_layers if i >= num_layers]
-    if bad:
-        parser.error(f"--feature-layers: {bad} outside the target's {num_layers} layers")
+    try:
+        cfg.data.check_layers(num_layers)
+    except ValueError as err:
+        parser.error(flag_message(err))
     result = warmup(cfg)
     offline = result.report["offline"]
     print(json.dumps({"out": str(result.path), **result.report["timings"]}), file=sys.stderr)

@@ -7,9 +7,9 @@
 2. ``target_features``: one teacher-forced forward of prompt + response through the target
    gives the final post-norm hidden state ``f_i`` of every position (what the engine hands a
    drafter). Pair i of a sequence is (f_i, x_{i+1}) and predicts f_{i+1} (see drafter.py).
-   For a fused (EAGLE-3 style) drafter, ``fused_features`` gives the input feature of each
-   position (the residual streams after ``feature_layers``, concatenated) beside the final
-   hidden state that is still what the drafter predicts.
+   For a fused (EAGLE-3 style) drafter, ``teacher_forced`` also gives the input feature of
+   each position (the residual streams after ``feature_layers``, concatenated) beside the
+   final hidden state that is still what the drafter predicts.
 3. ``build_draft_vocab``: the most frequent response tokens, for the sliced draft head.
 """
 
@@ -71,6 +71,12 @@ class DataConfig:
         if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
             raise ValueError(f"feature_layers: need distinct indices >= 0, got {list(layers)}")
 
+    def check_layers(self, num_layers: int) -> None:
+        """``feature_layers`` against a target of ``num_layers`` layers (ValueError)."""
+        bad = [i for i in self.feature_layers if i >= num_layers]
+        if bad:
+            raise ValueError(f"feature_layers: {bad} outside the target's {num_layers} layers")
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -115,24 +121,18 @@ def target_features(
     model: LlamaModel, sequences: Sequence[list[int]], batch_tokens: int
 ) -> list[torch.Tensor]:
     """Teacher-forced forward of each token sequence → its final hidden states [L, H]."""
-    return _teacher_forced(model, sequences, batch_tokens, ())[0]
+    return teacher_forced(model, sequences, batch_tokens)[0]
 
 
-def fused_features(
-    model: LlamaModel, sequences: Sequence[list[int]], batch_tokens: int, layers: Sequence[int]
+def teacher_forced(
+    model: LlamaModel,
+    sequences: Sequence[list[int]],
+    batch_tokens: int,
+    layers: Sequence[int] = (),
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Teacher-forced forward → per sequence the fused input features [L, len(layers) * H]
-    (residual streams after ``layers``, concatenated as the engine does) and the final
-    hidden states [L, H]."""
-    hidden, fused = _teacher_forced(model, sequences, batch_tokens, tuple(layers))
-    return fused, hidden
-
-
-def _teacher_forced(
-    model: LlamaModel, sequences: Sequence[list[int]], batch_tokens: int, layers: tuple[int, ...]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(final hidden states [L, H], fused layer features [L, kH] or none) per sequence, in
-    the model's dtype.
+    """Per sequence its final hidden states [L, H] and, with ``layers``, its fused input
+    features [L, len(layers) * H] (the residual streams after those layers, concatenated as
+    the engine does; else none), in the model's dtype.
 
     Sequences run in length-sorted batches of at most ``batch_tokens`` padded tokens, each
     in a fresh KV cache sized to the batch.
@@ -152,7 +152,7 @@ def _teacher_forced(
         max_len = max(len(s) for s in group)
         kv = KVCache(model.cfg, len(group), max_len, dtype, device)
         fb, ids = extend_batch(kv, 0, [0] * len(group), group, device, pack=True)
-        run = model(ids, fb, kv.layers, layers)
+        run = model(ids, fb, kv.layers, tuple(layers))
         fused = torch.cat(run.aux, dim=-1) if layers else None  # [B, Q, kH]
         for b, i in enumerate(order[lo:hi]):
             out[i] = run.hidden[b, : len(sequences[i])].clone()  # [L, H]

@@ -27,10 +27,9 @@ from trainer.data import (
     DataConfig,
     Sample,
     build_draft_vocab,
-    fused_features,
     generate,
     make_samples,
-    target_features,
+    teacher_forced,
 )
 from trainer.evaluate import AcceptStats, offline_accept, prepare_heldout
 from trainer.packing import batches
@@ -134,10 +133,7 @@ def collect(cfg: WarmupConfig, model_path: Path, timings: dict[str, float]) -> C
             num_threads=cfg.threads,
         )
     )
-    num_layers = llm.engine.model.cfg.num_layers
-    bad = [i for i in cfg.data.feature_layers if i >= num_layers]
-    if bad:  # before minutes of generation, not after
-        raise ValueError(f"feature_layers: {bad} outside the target's {num_layers} layers")
+    cfg.data.check_layers(llm.engine.model.cfg.num_layers)  # before minutes of generation
     if n_self:
         written = chat(self_prompts(llm, tokenizer, n_self, cfg.seed))
         timings["prompts_s"] = time.perf_counter() - t
@@ -154,12 +150,11 @@ def collect(cfg: WarmupConfig, model_path: Path, timings: dict[str, float]) -> C
     target = llm.engine.model
     del llm  # frees the engine's KV cache; the model lives on
     seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
-    layers = cfg.data.feature_layers
-    targets: list[torch.Tensor] | None = None
-    if layers:
-        feats, targets = fused_features(target, seqs, cfg.data.feature_batch_tokens, layers)
-    else:
-        feats = target_features(target, seqs, cfg.data.feature_batch_tokens)
+    hidden, fused = teacher_forced(
+        target, seqs, cfg.data.feature_batch_tokens, cfg.data.feature_layers
+    )
+    # A fused drafter reads the fused layers and learns to predict the final hidden states.
+    feats, targets = (fused, hidden) if cfg.data.feature_layers else (hidden, None)
     timings["features_s"] = time.perf_counter() - t
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
