@@ -34,8 +34,9 @@ class _State:
     Pending features go into one buffer per request that doubles when full and is reused
     after each catch-up, not a list of per-step tensors: while speculation is off (a large
     batch) every request gains a row per step for hundreds of steps, and that many small
-    long-lived tensors fragmented the heap until each step page-faulted in fresh memory
-    (batch 64: ~1600 faults and ~10% of a step)."""
+    long-lived tensors fragmented the heap until each step page-faulted in fresh memory.
+    Measured (adaptive engine, bf16, batch 64, 160 greedy tokens, one run each): 2351 minor
+    page faults per decode step with the list, 128 with the buffer; 27.2 vs 22.1 s."""
 
     done: int = 0  # pairs already in the drafter KV (positions 0..done-1)
     buffer: torch.Tensor | None = None  # [capacity, F]: rows [0, pending) are pending
