@@ -22,7 +22,7 @@ from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
 from tlt_serve.engine.llm import LLM
 from tlt_serve.models.llama import LlamaModel
 from tlt_serve.models.loader import build_model
-from tlt_serve.spec.checkpoint import load_drafter, save_drafter
+from tlt_serve.speculative.checkpoint import load_drafter, save_drafter
 from trainer.data import DataConfig, Sample, generate, make_samples, target_features
 from trainer.evaluate import AcceptStats, offline_accept, prepare_heldout
 from trainer.packing import batches

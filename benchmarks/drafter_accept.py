@@ -23,7 +23,7 @@ from tlt_serve.engine.llm import LLM
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
 from tlt_serve.sampling_params import SamplingParams
-from tlt_serve.spec.checkpoint import load_drafter
+from tlt_serve.speculative.checkpoint import load_drafter
 from trainer.data import Sample, make_samples, target_features
 from trainer.evaluate import offline_accept, prepare_heldout
 from trainer.packing import batches

@@ -15,8 +15,8 @@ from tests.staged import assert_switched_on_off_on, run_staged
 from tests.test_real_model import PROMPTS as REAL_PROMPTS
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
-from tlt_serve.spec.checkpoint import save_drafter
-from tlt_serve.spec.drafter import DrafterSpec, new_drafter
+from tlt_serve.speculative.checkpoint import save_drafter
+from tlt_serve.speculative.drafter import DrafterSpec, new_drafter
 from trainer.data import build_draft_vocab, make_samples, target_features
 from trainer.target import head_target
 from trainer.train import TrainConfig, train

@@ -17,7 +17,7 @@ from tests.test_engine import PROMPTS
 from tests.tiny import make_tiny_drafter
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SpecConfig
-from tlt_serve.spec.checkpoint import DrafterError
+from tlt_serve.speculative.checkpoint import DrafterError
 
 
 def make_llm(
@@ -352,7 +352,7 @@ def test_sampled_tokens_keep_the_target_distribution(
 def test_the_same_test_catches_a_biased_verifier(tiny_model_dir, drafters, monkeypatch) -> None:
     """Control: a verifier that accepts every draft with nonzero target probability (it
     treats q(d) as 0) must fail the test above."""
-    import tlt_serve.spec.decoder as decoder
+    import tlt_serve.speculative.decoder as decoder
 
     real = decoder.verify_chain
 
@@ -424,7 +424,7 @@ def test_vllm_export_keeps_eagle1_tensors_under_vllms_architecture(drafters, tmp
     fused (EAGLE-3 style) drafter is refused with the reason; the CLI prints the report."""
     from safetensors.torch import load_file
 
-    from tlt_serve.spec.export import VLLM_EAGLE_ARCH, export_vllm_eagle
+    from tlt_serve.speculative.export import VLLM_EAGLE_ARCH, export_vllm_eagle
     from trainer.cli import main as train_cli
 
     src = drafters["sliced"]
@@ -447,7 +447,7 @@ def test_vllm_export_keeps_eagle1_tensors_under_vllms_architecture(drafters, tmp
 
 def test_drafter_checkpoint_round_trips(tiny_model_dir, drafters, tmp_path) -> None:
     from tlt_serve.models.loader import build_model
-    from tlt_serve.spec.checkpoint import drafter_tensors, load_drafter, save_drafter
+    from tlt_serve.speculative.checkpoint import drafter_tensors, load_drafter, save_drafter
 
     target = build_model(tiny_model_dir, torch.float32, 256)
     for path in drafters.values():

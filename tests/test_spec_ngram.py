@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tlt_serve.spec.ngram import NgramConfig, NgramIndex, NgramProposer
+from tlt_serve.speculative.ngram import NgramConfig, NgramIndex, NgramProposer
 
 
 def brute_own(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:

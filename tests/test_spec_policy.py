@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from tlt_serve.spec.policy import PLAIN, Strategy, StrategyBandit
+from tlt_serve.speculative.policy import PLAIN, Strategy, StrategyBandit
 
 NGRAM4 = Strategy("ngram", 4)
 DRAFT4 = Strategy("drafter", 4)

@@ -17,9 +17,9 @@ from tests.test_spec_verify import (
     expected_joint,
 )
 from tlt_serve.sampling_params import SamplingParams
-from tlt_serve.spec import tree as tree_mod
-from tlt_serve.spec.tree import DraftTree, verify_tree
-from tlt_serve.spec.verify import ChainDrafts, verify_chain
+from tlt_serve.speculative import tree as tree_mod
+from tlt_serve.speculative.tree import DraftTree, verify_tree
+from tlt_serve.speculative.verify import ChainDrafts, verify_chain
 
 GREEDY = SamplingParams(temperature=0.0)
 # Root children 1, 3, 0 (distinct), each with one child: 7 nodes, depth 2.

@@ -11,7 +11,7 @@ import torch
 
 from tests.reference import filtered_probs
 from tlt_serve.sampling_params import SamplingParams
-from tlt_serve.spec.verify import ChainDrafts, _filtered_probs, verify_chain
+from tlt_serve.speculative.verify import ChainDrafts, _filtered_probs, verify_chain
 
 V = 6
 LOGITS0 = torch.tensor([1.2, 0.9, 0.5, 0.2, -0.3, -0.8])  # position 0: after the context

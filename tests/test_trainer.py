@@ -17,8 +17,8 @@ from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.runner import extend_batch
 from tlt_serve.models.loader import build_model
 from tlt_serve.models.tokenizer import load_tokenizer
-from tlt_serve.spec.checkpoint import load_drafter
-from tlt_serve.spec.drafter import DrafterModel, DrafterSpec, new_drafter
+from tlt_serve.speculative.checkpoint import load_drafter
+from tlt_serve.speculative.drafter import DrafterModel, DrafterSpec, new_drafter
 from trainer.cli import build_parser, config_from_args, main
 from trainer.data import Sample
 from trainer.evaluate import walk

@@ -97,8 +97,8 @@ def make_tiny_drafter(
     import json
 
     from tlt_serve.models.loader import build_model
-    from tlt_serve.spec.checkpoint import save_drafter
-    from tlt_serve.spec.drafter import DrafterSpec, new_drafter
+    from tlt_serve.speculative.checkpoint import save_drafter
+    from tlt_serve.speculative.drafter import DrafterSpec, new_drafter
 
     target = build_model(target_dir, torch.float32, 256)
     spec = DrafterSpec(feature_layers=feature_layers, draft_vocab_size=draft_vocab_size)

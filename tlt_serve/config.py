@@ -61,7 +61,7 @@ class SpecConfig:
     """Speculative decoding. ``auto``: the drafter when one is given, else n-gram."""
 
     method: str = "off"  # off | ngram | drafter | auto
-    drafter: str | None = None  # drafter checkpoint directory (see spec/checkpoint.py)
+    drafter: str | None = None  # drafter checkpoint directory (see speculative/checkpoint.py)
     num_draft_tokens: int = 4  # chain depth: most tokens drafted per request per step
     # Speculate while at most this many sequences run (the long tail). Forced speculation
     # (spec_decode, session 11) is x1.19-1.27 of plain at batch 1, x0.81-0.84 at 4 and

@@ -170,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from tlt_serve.spec.checkpoint import DrafterError
-    from tlt_serve.spec.export import export_vllm_eagle
+    from tlt_serve.speculative.checkpoint import DrafterError
+    from tlt_serve.speculative.export import export_vllm_eagle
 
     try:
         report = export_vllm_eagle(args.drafter, args.out)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt_serve.spec.drafter import DrafterModel
+from tlt_serve.speculative.drafter import DrafterModel
 from trainer.packing import PackedBatch
 from trainer.unroll import chain_forward, chain_valid, shift
 

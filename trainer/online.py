@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from tlt_serve.spec.checkpoint import load_drafter, save_drafter
-from tlt_serve.spec.drafter import DrafterModel, DrafterSpec, new_drafter
+from tlt_serve.speculative.checkpoint import load_drafter, save_drafter
+from tlt_serve.speculative.drafter import DrafterModel, DrafterSpec, new_drafter
 from trainer.data import build_draft_vocab
 from trainer.link import LinkError, ServerLink, TargetTensors
 from trainer.promote import Evaluation

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tlt_serve.spec.drafter import DrafterModel
+from tlt_serve.speculative.drafter import DrafterModel
 from trainer.data import Sample
 from trainer.evaluate import HeldOut, offline_accept, prepare_heldout
 from trainer.packing import batches

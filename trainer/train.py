@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from tlt_serve.spec.drafter import DrafterModel
+from tlt_serve.speculative.drafter import DrafterModel
 from trainer.data import Sample
 from trainer.evaluate import AcceptStats, HeldOut, offline_accept
 from trainer.packing import PackedBatch, batches

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
-from tlt_serve.spec.drafter import DrafterModel
+from tlt_serve.speculative.drafter import DrafterModel
 
 # (block j >= 1, block j-1's output [B, Q, H]) → input tokens of block j [B, Q]
 NextTokens = Callable[[int, torch.Tensor], torch.Tensor]

@@ -21,8 +21,8 @@ from tlt_serve.engine.llm import LLM
 from tlt_serve.models.loader import build_model
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
-from tlt_serve.spec.checkpoint import save_drafter
-from tlt_serve.spec.drafter import DrafterModel, DrafterSpec, new_drafter
+from tlt_serve.speculative.checkpoint import save_drafter
+from tlt_serve.speculative.drafter import DrafterModel, DrafterSpec, new_drafter
 from trainer.data import (
     DataConfig,
     Sample,

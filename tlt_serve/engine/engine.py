@@ -30,8 +30,8 @@ from tlt_serve.models.loader import WeightError, build_model, load_weights
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
 from tlt_serve.sampling_params import ParamError, SamplingParams
-from tlt_serve.spec.checkpoint import load_drafter
-from tlt_serve.spec.decoder import build_spec_decoder
+from tlt_serve.speculative.checkpoint import load_drafter
+from tlt_serve.speculative.decoder import build_spec_decoder
 
 log = logging.getLogger("tlt_serve.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

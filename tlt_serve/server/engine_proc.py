@@ -43,7 +43,7 @@ from tlt_serve.server.messages import (
     StepBatch,
     ToEngine,
 )
-from tlt_serve.spec.checkpoint import DrafterError
+from tlt_serve.speculative.checkpoint import DrafterError
 
 log = logging.getLogger("tlt_serve.engine_proc")
 IDLE_WAIT_S = 0.5  # how long to block for messages when there is nothing to step

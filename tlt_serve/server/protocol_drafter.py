@@ -8,7 +8,7 @@ from msgspec import Struct
 
 
 class UpdateDrafterReq(Struct, forbid_unknown_fields=True):
-    path: str  # a drafter checkpoint directory (spec/checkpoint.py)
+    path: str  # a drafter checkpoint directory (speculative/checkpoint.py)
     version: int | None = None  # overrides the checkpoint's own version
 
 

@@ -22,9 +22,9 @@ import torch
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.request import Request
 from tlt_serve.engine.runner import extend_batch
-from tlt_serve.spec.drafter import DrafterModel
-from tlt_serve.spec.tree import DraftTree
-from tlt_serve.spec.tree_draft import expand_tree
+from tlt_serve.speculative.drafter import DrafterModel
+from tlt_serve.speculative.tree import DraftTree
+from tlt_serve.speculative.tree_draft import expand_tree
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from tlt_serve.engine.request import Request
-from tlt_serve.spec.ngram import NgramConfig, NgramProposer
+from tlt_serve.speculative.ngram import NgramConfig, NgramProposer
 
 
 class Proposer(Protocol):

@@ -1,6 +1,6 @@
 """The engine's speculation step: when to draft, how many tokens, verify, feed the proposers.
 
-``plan`` decides per decode batch: the policy (``spec/policy.py``) picks a strategy — plain
+``plan`` decides per decode batch: the policy (``speculative/policy.py``) picks a strategy — plain
 decoding, or a proposer and a chain depth — for the running batch size (nothing speculates above
 ``max_batch``; under ``auto`` a bandit learns per batch-size bucket which strategy commits the
 most tokens per second); a step without drafts is a plain step. Each request's draft is capped
@@ -26,14 +26,14 @@ from tlt_serve.engine.request import Request
 from tlt_serve.engine.runner import ModelRunner, RunOutput
 from tlt_serve.engine.scheduler import Emitted, ScheduledBatch
 from tlt_serve.models.llama import LlamaModel
-from tlt_serve.spec.checkpoint import load_drafter
-from tlt_serve.spec.drafter import DrafterModel
-from tlt_serve.spec.drafter_proposer import DrafterProposer
-from tlt_serve.spec.ngram import NgramConfig
-from tlt_serve.spec.policy import PLAIN, Strategy, StrategyBandit
-from tlt_serve.spec.proposer import NgramDrafts, NoProposer, Proposer
-from tlt_serve.spec.tree import DraftTree, verify_tree
-from tlt_serve.spec.verify import ChainDrafts, verify_chain
+from tlt_serve.speculative.checkpoint import load_drafter
+from tlt_serve.speculative.drafter import DrafterModel
+from tlt_serve.speculative.drafter_proposer import DrafterProposer
+from tlt_serve.speculative.ngram import NgramConfig
+from tlt_serve.speculative.policy import PLAIN, Strategy, StrategyBandit
+from tlt_serve.speculative.proposer import NgramDrafts, NoProposer, Proposer
+from tlt_serve.speculative.tree import DraftTree, verify_tree
+from tlt_serve.speculative.verify import ChainDrafts, verify_chain
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class SpecDecoder:
 
     def _ngram_first(self, reqs: list[Request]) -> list[list[int]] | None:
         """Under ``auto``, the n-gram drafts of this step at its deepest arm, asked before the
-        policy chooses (spec/policy.py: without drafts its arms are no candidates)."""
+        policy chooses (speculative/policy.py: without drafts its arms are no candidates)."""
         depth = self._ngram_first_depth
         if not depth or len(reqs) > self.policy.max_batch:
             return None

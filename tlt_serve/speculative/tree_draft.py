@@ -25,8 +25,8 @@ import torch
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.request import Request
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
-from tlt_serve.spec.drafter import DrafterModel
-from tlt_serve.spec.tree import DraftTree
+from tlt_serve.speculative.drafter import DrafterModel
+from tlt_serve.speculative.tree import DraftTree
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from tlt_serve.models.loader import (
     load_weights,
     param_slot,
 )
-from tlt_serve.spec.drafter import DrafterModel, DrafterSpec
+from tlt_serve.speculative.drafter import DrafterModel, DrafterSpec
 
 FORMAT = 1
 # Fields that must equal the target's for the drafter to read its features and share its

