@@ -34,11 +34,11 @@ def run_staged(
         if step == join_at:
             for i in range(1, len(prompts)):
                 eng.add_request(f"r{i}", list(prompts[i]), params[i])
-        before = eng.stats.spec_steps
+        before = eng.stats.spec.steps
         out.running.append(len(eng.scheduler.running))
         for o in eng.step():
             out.tokens.setdefault(o.rid, []).extend(o.token_ids)
-        out.speculated.append(eng.stats.spec_steps > before)
+        out.speculated.append(eng.stats.spec.steps > before)
         if not eng.has_work():
             return out
     raise AssertionError(f"not done after {max_steps} steps")

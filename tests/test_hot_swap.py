@@ -68,8 +68,8 @@ def test_swaps_between_steps_keep_greedy_output_exact(
     assert list(longest.spec.drafter_versions) == sorted(longest.spec.drafter_versions)
     assert engine.spec.drafter_version == longest.spec.drafter_versions[-1]
     stats = engine.stats
-    assert 0 < stats.spec_steps <= 256  # all inside the recent window: recent = overall
-    assert stats.recent_accept_length == pytest.approx(stats.spec_accepted / stats.spec_verifies)
+    assert 0 < stats.spec.steps <= 256  # all inside the recent window: recent = overall
+    assert stats.recent_accept_length == pytest.approx(stats.spec.accepted / stats.spec.verifies)
 
 
 def test_bad_swaps_are_refused_and_the_old_drafter_serves_on(

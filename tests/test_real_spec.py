@@ -105,7 +105,7 @@ def test_greedy_speculation_is_exact_alone_batched_and_switching(
     on = make(spec_for(proposer, drafter_dir, max_batch=8))
     batched = on.generate(prompts, params())
     assert [o.samples[0].token_ids for o in batched] == ref
-    assert on.engine.stats.spec_accepted > 0
+    assert on.engine.stats.spec.accepted > 0
     for i in range(5):  # alone (batch 1)
         got = on.generate([prompts[i]], [params()[i]])[0].samples[0]
         assert got.token_ids == ref[i], PROMPTS[i]
@@ -114,8 +114,8 @@ def test_greedy_speculation_is_exact_alone_batched_and_switching(
     outs = switching.generate(prompts, params())
     assert [o.samples[0].token_ids for o in outs] == ref
     stats = switching.engine.stats
-    assert 0 < stats.spec_steps < stats.decode_steps
-    assert stats.spec_accepted > 0
+    assert 0 < stats.spec.steps < stats.decode_steps
+    assert stats.spec.accepted > 0
 
 
 @pytest.mark.parametrize("proposer", ["drafter", "tree", "auto"])
@@ -135,4 +135,4 @@ def test_speculation_switches_off_when_a_crowd_joins_and_back_on_in_its_tail(
     assert run.ids(len(prompts)) == ref
     assert_switched_on_off_on(run, max_batch=2)
     assert eng.stats.prefill_steps == plain_eng.stats.prefill_steps
-    assert eng.stats.spec_accepted > 0
+    assert eng.stats.spec.accepted > 0

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load
 
-from tests.test_server_harness import Served, serve
+from tests.test_server_harness import Served, scrape, serve
 from tests.test_spec_engine import make_llm
 from tests.tiny import make_tiny_drafter
 from tlt_serve import SamplingParams
@@ -88,15 +89,15 @@ def test_swaps_under_load_keep_outputs_and_report_versions(
                                        "message": f"serving drafter version {v}"}
                 swaps.append(v)
 
-    thread = threading.Thread(target=swapper)
-    thread.start()
-    try:
-        with served_drafter.http() as http:
-            outs = [http.post("/generate", json={"text": PROMPTS, "sampling_params": GREEDY})
-                    for _ in range(3)]
-    finally:
-        stop.set()
-        thread.join(30)
+    with ThreadPoolExecutor(1) as pool:
+        swapping = pool.submit(swapper)
+        try:
+            with served_drafter.http() as http:
+                outs = [http.post("/generate", json={"text": PROMPTS, "sampling_params": GREEDY})
+                        for _ in range(3)]
+        finally:
+            stop.set()
+        swapping.result(timeout=30)  # re-raises the swapper's failed assertion, if any
     assert len(swaps) >= 5
     for resp in outs:
         assert resp.status_code == 200, resp.text
@@ -168,10 +169,48 @@ def test_training_pause_gate_and_trainer_report(served_drafter: Served) -> None:
         report = {"state": "training", "step": 12, "published_version": 3, "loss": 0.5}
         assert http.post("/drafter/trainer_status", json=report).json()["paused"] is True
         assert http.post("/drafter/trainer_status", json={"stat": "x"}).status_code == 400
+        assert scrape(http).value("tlt_serve_trainer_state", state="paused") == 1
         http.post("/resume_drafter_training")
         info = http.get("/get_drafter_info").json()["training"]
         assert info["paused"] is False and info["gate"]["train"] is True
         assert info["trainer"]["step"] == 12 and info["trainer"]["published_version"] == 3
+        m = scrape(http)  # a standalone trainer, seen through its reports
+        assert m.value("tlt_serve_trainer_state", state="training") == 1
+        assert m.value("tlt_serve_trainer_state") == 1  # exactly one state is set
+        http.post("/drafter/trainer_status", json={"state": "waiting"})
+        assert scrape(http).value("tlt_serve_trainer_state", state="idle") == 1
+
+
+def test_metrics_follow_drafter_capture_and_speculation_under_load(
+    served_drafter: Served, drafters: list[Path]
+) -> None:
+    with served_drafter.http() as http:
+        before = scrape(http)
+        swap = http.post("/update_drafter_from_disk", json={"path": str(drafters[1]),
+                                                              "version": 1000})
+        assert swap.status_code == 200, swap.text
+        resp = http.post("/generate", json={"text": PROMPTS, "sampling_params": GREEDY})
+        assert resp.status_code == 200, resp.text
+        after = scrape(http)
+        info = http.get("/get_drafter_info").json()
+    assert after.value("tlt_serve_drafter_version") == 1000 == info["drafter_version"]
+    assert after.value("tlt_serve_capture_buffer_bytes") == info["capture"]["bytes"]
+    assert after.value("tlt_serve_capture_buffer_samples") == info["capture"]["samples"]
+    assert after.value("tlt_serve_capture_buffer_samples") >= len(PROMPTS)
+    if info["capture"]["evicted"] == 0:  # the buffer only grew
+        assert after.value("tlt_serve_capture_buffer_bytes") > before.value(
+            "tlt_serve_capture_buffer_bytes")
+    # Four sequences decode together: their verify steps land in the 2-4 bucket, and in 1
+    # for the last one if they finish apart; every sequence's verifies are counted once.
+    def grown(name: str, **labels: str) -> float:
+        return after.value(name, **labels) - before.value(name, missing=0.0, **labels)
+
+    assert grown("tlt_serve_spec_verify_steps_total", batch_bucket="2-4") > 0
+    assert after.labels("tlt_serve_spec_verify_steps_total", "batch_bucket") <= {"1", "2-4"}
+    assert grown("tlt_serve_spec_sequence_verifies_total") == sum(
+        b["meta_info"]["spec_verify_ct"] for b in resp.json())
+    assert after.value("tlt_serve_spec_accept_length_recent") == pytest.approx(
+        info["recent_accept_length"], abs=1e-4)
 
 
 def test_samples_need_capture(served: Served) -> None:

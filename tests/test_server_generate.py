@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.test_server_harness import MAX_MODEL_LEN, sse_events
+from tests.test_server_harness import MAX_MODEL_LEN, scrape, sse_events
 from tlt_serve import LLM, SamplingParams
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?"]
@@ -181,13 +181,18 @@ def test_info_health_and_metrics(http) -> None:
     assert http.get("/get_weight_version").json() == {"weight_version": "0"}
     server = http.get("/get_server_info").json()
     assert server["engine_info"]["vocab_size"] > 0 and server["api_key"] is None
-    metrics = http.get("/metrics")
-    assert metrics.headers["content-type"].startswith("text/plain")
-    text = metrics.text
-    for name in ("requests_total", "generation_tokens_total", "num_requests_running",
-                 "num_requests_waiting", "batch_occupancy", "step_time_seconds_bucket"):
-        assert f"tlt_serve_{name}" in text
-    assert 'le="+Inf"' in text and "tlt_serve_engine_alive" in text
+    m = scrape(http)
+    for name in ("tlt_serve_requests_total", "tlt_serve_generation_tokens_total",
+                 "tlt_serve_num_requests_running", "tlt_serve_num_requests_waiting",
+                 "tlt_serve_batch_occupancy", "tlt_serve_step_time_seconds_count",
+                 "tlt_serve_capture_buffer_bytes"):
+        m.value(name)
+    assert m.value("tlt_serve_step_time_seconds_bucket", le="+Inf") == m.value(
+        "tlt_serve_step_time_seconds_count")
+    assert m.value("tlt_serve_engine_alive") == 1
+    assert m.value("tlt_serve_trainer_state", state="off") == 1
+    assert m.value("tlt_serve_weight_version_info", version="0") == 1
+    assert "tlt_serve_drafter_version" not in m.families  # no drafter serves
 
 
 def test_flush_cache_when_idle(http) -> None:

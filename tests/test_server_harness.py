@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
 from tlt_serve.server.app import build_app
@@ -113,6 +114,39 @@ def engine_counts(http: httpx.Client) -> tuple[int, int, int]:
     """(running, waiting, in-flight in the front end), fresh from the engine."""
     info = http.get("/get_server_info").json()
     return info["stats"]["running"], info["stats"]["waiting"], info["in_flight"]
+
+
+class Scrape:
+    """One ``/metrics`` scrape, parsed by prometheus-client's own parser."""
+
+    def __init__(self, text: str) -> None:
+        self.families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(self, sample: str, missing: float | None = None, **labels: str) -> float:
+        """Sum of the samples named ``sample`` whose labels include ``labels``; a missing
+        series fails the test unless ``missing`` gives its value."""
+        found = [
+            s.value
+            for f in self.families.values()
+            for s in f.samples
+            if s.name == sample and labels.items() <= s.labels.items()
+        ]
+        if not found and missing is not None:
+            return missing
+        assert found, f"{sample}{labels} not in /metrics ({sorted(self.families)})"
+        return float(sum(found))
+
+    def labels(self, sample: str, label: str) -> set[str]:
+        """The values ``label`` takes across the samples named ``sample``."""
+        return {s.labels[label] for f in self.families.values() for s in f.samples
+                if s.name == sample and label in s.labels}
+
+
+def scrape(http: httpx.Client) -> Scrape:
+    resp = http.get("/metrics")
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/plain")
+    return Scrape(resp.text)
 
 
 # ---- the harness's own pieces ---------------------------------------------------------------

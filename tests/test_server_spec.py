@@ -3,13 +3,12 @@ plain server, SGLang's spec_* meta_info, /get_server_info, /metrics, and start-u
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.test_server_harness import Served, serve, sse_events
+from tests.test_server_harness import Served, scrape, serve, sse_events
 from tlt_serve.server.cli import main, parse_args
 
 SPEC_FLAGS = ["--speculative", "ngram", "--spec-max-batch", "64"]
@@ -25,12 +24,6 @@ def spec_served(tiny_model_dir: Path) -> Iterator[Served]:
     s = serve(tiny_model_dir, spec=spec)
     yield s
     s.stop()
-
-
-def metric(text: str, name: str) -> float:
-    m = re.search(rf"^tlt_serve_{name}{{[^}}]*}} (\S+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 def generate_batch(s: Served, **extra: object) -> list[dict]:
@@ -120,34 +113,40 @@ def test_streaming_meta_info_carries_spec_counts(spec_served) -> None:
 
 
 def test_server_info_and_metrics_report_speculation(served, spec_served) -> None:
-    names = ("spec_verify_steps_total", "spec_sequence_verifies_total",
-             "spec_draft_tokens_total", "spec_accepted_tokens_total")
+    names = ("tlt_serve_spec_verify_steps_total", "tlt_serve_spec_sequence_verifies_total",
+             "tlt_serve_spec_draft_tokens_total", "tlt_serve_spec_accepted_tokens_total")
     with spec_served.http() as http:
-        before = {n: metric(http.get("/metrics").text, n) for n in names}
+        first = scrape(http)
+        before = {n: first.value(n, missing=0.0) for n in names}
         metas = [o["meta_info"] for o in generate_batch(spec_served)]
         info = http.get("/get_server_info").json()
-        text = http.get("/metrics").text
+        m = scrape(http)
     assert info["engine_info"]["spec"] == {
         "method": "ngram", "proposer": "ngram", "num_draft_tokens": 4, "max_batch": 64,
         "drafter": None, "strategies": ["ngram:4"],
     }
-    assert info["stats"]["spec_steps"] > 0
+    assert info["stats"]["spec"]["steps"] > 0
     # Tokens/s the policy measured, per batch-size bucket it saw.
     assert all(t["ngram:4"] > 0 for t in info["stats"]["spec_policy"].values()), info["stats"]
     assert info["stats"]["spec_policy"]
-    steps, verifies, drafted, accepted = (metric(text, n) - before[n] for n in names)
+    steps, verifies, drafted, accepted = (m.value(n) - before[n] for n in names)
     assert 0 < steps <= verifies and 0 <= accepted <= drafted
     # The counters add up the requests' own counts (the batch is all that ran meanwhile).
-    assert verifies == sum(m["spec_verify_ct"] for m in metas)
-    assert accepted == sum(round(m["spec_accept_length"] * m["spec_verify_ct"]) for m in metas)
-    # Per sequence and verify step, like meta_info: never above num_draft_tokens.
-    total_accepted = metric(text, "spec_accepted_tokens_total")
-    total_verifies = metric(text, "spec_sequence_verifies_total")
-    assert metric(text, "spec_accept_length") == pytest.approx(total_accepted / total_verifies)
-    assert metric(text, "spec_accept_length") <= 4
+    assert verifies == sum(meta["spec_verify_ct"] for meta in metas)
+    assert accepted == sum(round(meta["spec_accept_length"] * meta["spec_verify_ct"])
+                           for meta in metas)
+    # Per batch-size bucket: the buckets the policy measured are the ones that verified.
+    buckets = m.labels("tlt_serve_spec_verify_steps_total", "batch_bucket")
+    assert buckets and buckets <= set(info["stats"]["spec_by_bucket"])
+    for b in buckets:  # per sequence and verify step, like meta_info: <= num_draft_tokens
+        length = m.value("tlt_serve_spec_accept_length", batch_bucket=b)
+        assert length == pytest.approx(
+            m.value("tlt_serve_spec_accepted_tokens_total", batch_bucket=b)
+            / m.value("tlt_serve_spec_sequence_verifies_total", batch_bucket=b))
+        assert 0 <= length <= 4
     with served.http() as http:
         info = http.get("/get_server_info").json()
-        text = http.get("/metrics").text
+        m = scrape(http)
     assert info["engine_info"]["spec"]["method"] == "off"
     assert info["engine_info"]["spec"]["proposer"] == "none"
-    assert metric(text, "spec_verify_steps_total") == 0
+    assert m.value("tlt_serve_spec_verify_steps_total", missing=0.0) == 0  # never verified

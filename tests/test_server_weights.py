@@ -14,7 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from tests.test_server_harness import MAX_MODEL_LEN, Served, engine_counts, wait_for
+from tests.test_server_harness import (
+    MAX_MODEL_LEN,
+    Served,
+    engine_counts,
+    scrape,
+    wait_for,
+)
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.engine.weight_sync import WeightSyncGroup, specs_of
 
@@ -81,8 +87,7 @@ def test_update_from_disk_changes_outputs_and_version(http, other_dir, expected)
     assert out["output_ids"] == expected["other"]
     assert out["meta_info"]["weight_version"] == "v7"
     assert http.get("/get_weight_version").json() == {"weight_version": "v7"}
-    metrics = http.get("/metrics").text
-    assert 'version="v7"' in metrics
+    assert scrape(http).value("tlt_serve_weight_version_info", version="v7") == 1
 
 
 def test_update_from_tensor_in_chunks(http, tiny_model_dir, other_dir, expected) -> None:

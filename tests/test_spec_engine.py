@@ -91,7 +91,7 @@ def test_greedy_output_and_logprobs_equal_plain_decoding(tiny_model_dir, drafter
         torch.testing.assert_close(b.logprobs, r.logprobs, atol=1e-4, rtol=0)
         torch.testing.assert_close(one.logprobs, r.logprobs, atol=1e-4, rtol=0)
     stats = llm.engine.stats
-    assert stats.spec_steps > 0 and 0 < stats.spec_accepted <= stats.spec_drafted
+    assert stats.spec.steps > 0 and 0 < stats.spec.accepted <= stats.spec.drafted
     counts = [g.samples[0].spec for g in batched]
     assert sum(c.verify_ct for c in counts) > 0
     assert all(c.accepted <= c.drafted for c in counts)
@@ -123,7 +123,7 @@ def test_bf16_greedy_with_the_own_kernels_is_bitwise_plain_decoding(
         llm = make_llm(tiny_model_dir, configs[name], dtype="bfloat16")
         got = llm.generate(PROMPTS, params)
         stats = llm.engine.stats
-        assert stats.spec_accepted > 0, name
+        assert stats.spec.accepted > 0, name
         for ref, out in zip(plain, got, strict=True):
             r, o = ref.samples[0], out.samples[0]
             assert o.token_ids == r.token_ids, name
@@ -228,7 +228,7 @@ def test_confidence_cut_ends_chains_where_the_drafter_is_unsure(
             assert len(d) == (int(low[0]) if len(low) else k)
             lengths.append((len(d), k))
     assert any(n == 0 for n, _ in lengths) and any(n > 0 for n, _ in lengths)
-    assert llm.engine.stats.spec_drafted < probe.engine.stats.spec_drafted
+    assert llm.engine.stats.spec.drafted < probe.engine.stats.spec.drafted
 
 
 def test_group_samples_and_stop_strings_with_speculation(tiny_model_dir, drafters) -> None:
@@ -257,7 +257,7 @@ def test_drafts_never_run_past_limits(tiny_model_dir, drafters) -> None:
     llm = make_llm(tiny_model_dir, spec, max_len=48)
     one = llm.generate(PROMPTS[:4], SamplingParams(max_new_tokens=1, temperature=0.0))
     assert all(len(g.samples[0].token_ids) == 1 for g in one)
-    assert llm.engine.stats.spec_steps == 0
+    assert llm.engine.stats.spec.steps == 0
     prompt = llm.tokenizer.encode(PROMPTS[4])[:40]
     params = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
     got = llm.generate([prompt], params)[0].samples[0]
@@ -322,7 +322,7 @@ def _spec_vs_plain_chi2(
             s for _ in range(n // 50) for s in llm.generate([PROMPTS[2]], batch)[0].samples
         ]
         if cfg is not None:
-            assert llm.engine.stats.spec_accepted > 0
+            assert llm.engine.stats.spec.accepted > 0
     worst = 0.0
     for pos in range(1, 4):
         a = Counter(s.token_ids[pos] for s in runs["plain"])

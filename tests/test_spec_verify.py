@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from scipy.stats import chi2
 
 from tests.reference import filtered_probs
 from tlt_serve.sampling_params import SamplingParams
@@ -29,14 +30,8 @@ Verifier = Callable[[ChainDrafts, torch.Generator], list[list[int]]]
 
 
 def critical(df: int) -> float:
-    """99.9% quantile of chi2(df): scipy if present, else Wilson-Hilferty (within ~0.5% here)."""
-    try:
-        from scipy.stats import chi2
-
-        return float(chi2.ppf(0.999, df))
-    except ImportError:
-        z = 3.0902  # standard normal 99.9% quantile
-        return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    """99.9% quantile of chi2(df)."""
+    return float(chi2.ppf(0.999, df))
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:

@@ -108,7 +108,7 @@ def assert_serves_losslessly_with_accepted_drafts(drafter: Path, model_dir: Path
     spec = SpecConfig(method="drafter", min_draft_confidence=0.0, drafter=str(drafter))
     out, llm = serve_greedy(model_dir, spec)
     assert out == plain
-    assert llm.engine.stats.spec_accepted > 0
+    assert llm.engine.stats.spec.accepted > 0
 
 
 def test_checkpoint_serves_losslessly_with_accepted_drafts(

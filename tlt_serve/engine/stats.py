@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.engine.scheduler import Emitted, Sampled, ScheduledBatch
+from tlt_serve.speculative.policy import bucket_name, bucket_of
 
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 RECENT_SPEC_STEPS = 256  # window of the recent accept length
@@ -31,6 +32,22 @@ class Histogram:
 
 
 @dataclass
+class SpecCounts:
+    """Verification counters of the decode steps in one batch-size bucket."""
+
+    steps: int = 0  # decode steps (batched forwards) that verified drafts
+    verifies: int = 0  # sequences verified, summed over those steps
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted (excluding correction / bonus tokens)
+
+    def add(self, verifies: int, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.verifies += verifies
+        self.drafted += drafted
+        self.accepted += accepted
+
+
+@dataclass
 class EngineStats:
     requests: int = 0
     prompt_tokens: int = 0
@@ -38,10 +55,9 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     decode_batch_size: int = 0  # sequences in the last decode step
-    spec_steps: int = 0  # decode steps that verified drafts (batched forwards)
-    spec_verifies: int = 0  # sequences verified, summed over those steps
-    spec_drafted: int = 0  # draft tokens proposed
-    spec_accepted: int = 0  # draft tokens accepted (excluding correction / bonus tokens)
+    spec: SpecCounts = field(default_factory=SpecCounts)  # all verify steps
+    # the same per batch-size bucket of the verify step (speculative.policy's buckets)
+    spec_by_bucket: dict[str, SpecCounts] = field(default_factory=dict)
     step_time: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))
     # (accepted, verifies) of the last RECENT_SPEC_STEPS verify steps
     recent_spec: deque[tuple[int, int]] = field(
@@ -68,10 +84,10 @@ class EngineStats:
         self.generated_tokens += sum(len(o.token_ids) for o in outputs)
         if isinstance(emitted, Emitted) and emitted.drafted is not None:
             verifies, accepted = sum(1 for d in emitted.drafted if d), sum(emitted.accepted or ())
-            self.spec_steps += 1
-            self.spec_verifies += verifies
-            self.spec_drafted += sum(emitted.drafted)
-            self.spec_accepted += accepted
+            drafted = sum(emitted.drafted)
+            self.spec.add(verifies, drafted, accepted)
+            name = bucket_name(bucket_of(len(batch.samplers)))
+            self.spec_by_bucket.setdefault(name, SpecCounts()).add(verifies, drafted, accepted)
             self.recent_spec.append((accepted, verifies))
         if batch.is_prefill:
             self.prefill_steps += 1

@@ -9,6 +9,7 @@ Control messages are applied between steps, so weight swaps never race a forward
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -300,6 +301,7 @@ class EngineLoop:
 
     def snapshot(self) -> StatsSnapshot:
         s, sched = self.engine.stats, self.engine.scheduler
+        capture = self.engine.capture.stats()
         return StatsSnapshot(
             requests=s.requests,
             prompt_tokens=s.prompt_tokens,
@@ -316,10 +318,12 @@ class EngineLoop:
             step_count=s.step_time.n,
             weight_version=self.version,
             paused=self.paused,
-            spec_steps=s.spec_steps,
-            spec_drafted=s.spec_drafted,
-            spec_accepted=s.spec_accepted,
-            spec_verifies=s.spec_verifies,
+            spec=dataclasses.replace(s.spec),
+            spec_by_bucket={k: dataclasses.replace(v) for k, v in s.spec_by_bucket.items()},
+            recent_accept_length=s.recent_accept_length,
+            drafter_version=self.engine.spec.drafter_version,
+            capture_samples=capture.samples,
+            capture_bytes=capture.bytes,
             spec_policy=self.engine.spec.policy.table(),
         )
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tlt_serve.engine.outputs import StepOutput
+from tlt_serve.engine.stats import SpecCounts
 from tlt_serve.sampling_params import SamplingParams
 
 # ---- front end → engine -----------------------------------------------------------------
@@ -125,10 +126,12 @@ class StatsSnapshot:
     step_count: int
     weight_version: str
     paused: bool
-    spec_steps: int = 0  # decode steps (batched forwards) that verified drafts
-    spec_verifies: int = 0  # sequences that verified drafts, summed over those steps
-    spec_drafted: int = 0  # draft tokens proposed
-    spec_accepted: int = 0  # draft tokens accepted (excluding correction / bonus tokens)
+    spec: SpecCounts = field(default_factory=SpecCounts)  # every verify step
+    spec_by_bucket: dict[str, SpecCounts] = field(default_factory=dict)  # per batch-size bucket
+    recent_accept_length: float = 0.0  # over the last verify steps (EngineStats.recent_spec)
+    drafter_version: int | None = None  # the drafter serving now (None: no drafter)
+    capture_samples: int = 0  # training samples in the capture buffer
+    capture_bytes: int = 0  # their features + tokens
     # Median tokens/s per batch-size bucket and strategy, as the adaptive policy measured it.
     spec_policy: dict[str, dict[str, float]] = field(default_factory=dict)
 

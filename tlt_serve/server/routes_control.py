@@ -16,7 +16,7 @@ from tlt_serve.server.engine_proc import PAUSE_MODES
 from tlt_serve.server.errors import ApiError, decode_body, error_response
 from tlt_serve.server.inputs import Job, new_rid
 from tlt_serve.server.messages import StatsSnapshot
-from tlt_serve.server.metrics import CONTENT_TYPE, render_metrics
+from tlt_serve.server.metrics import CONTENT_TYPE, FrontEndView, render_metrics
 from tlt_serve.server.openapi import json_body
 from tlt_serve.server.protocol import (
     AbortReq,
@@ -153,8 +153,13 @@ def control_routes() -> APIRouter:
             stats: StatsSnapshot | None = await fresh_stats(st)
         except (EngineDeadError, ApiError):
             stats = st.client.stats  # last known: still worth scraping
-        text = render_metrics(stats, st.client.alive, st.client.in_flight(), st.model_name)
-        return Response(text, media_type=CONTENT_TYPE)
+        view = FrontEndView(
+            model=st.model_name,
+            alive=st.client.alive,
+            in_flight=st.client.in_flight(),
+            trainer_state=st.training.phase(st.config.training.enabled),
+        )
+        return Response(render_metrics(stats, view), media_type=CONTENT_TYPE)
 
     return router
 

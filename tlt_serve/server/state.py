@@ -29,6 +29,21 @@ class TrainingState:
     pid: int | None = None  # the running trainer process (started by the supervisor)
     suspended: bool = False  # SIGSTOPped by the supervisor while load is high
 
+    def phase(self, enabled: bool) -> str:
+        """One of off / paused / suspended / training / idle (``/metrics``' trainer_state).
+
+        ``enabled``: the server supervises a trainer; a standalone trainer is seen through
+        its reports only."""
+        if not enabled and self.report is None:
+            return "off"
+        if self.paused:
+            return "paused"
+        if self.suspended:
+            return "suspended"
+        if self.report is not None and self.report.state in ("training", "evaluating"):
+            return "training"
+        return "idle"
+
 
 @dataclass
 class ServerState:

@@ -39,6 +39,19 @@ from dataclasses import dataclass, field
 BUCKETS = (1, 4, 8, 16, 32, 64)
 
 
+def bucket_of(batch_size: int) -> int:
+    """Index of the batch-size bucket ``batch_size`` falls in (0 .. len(BUCKETS))."""
+    return bisect.bisect_left(BUCKETS, batch_size)
+
+
+def bucket_name(index: int) -> str:
+    """A bucket's label, as /get_server_info and /metrics show it: "1", "2-4", ..., "65+"."""
+    lo = 1 if index == 0 else BUCKETS[index - 1] + 1
+    if index == len(BUCKETS):
+        return f"{lo}+"
+    return str(lo) if lo == BUCKETS[index] else f"{lo}-{BUCKETS[index]}"
+
+
 @dataclass(frozen=True, order=True)
 class Strategy:
     proposer: str  # none | ngram | drafter
@@ -95,10 +108,6 @@ class StrategyBandit:
         self._rng = random.Random(seed)
         self._buckets = [_Bucket(self.arms, window) for _ in range(len(BUCKETS) + 1)]
 
-    @staticmethod
-    def bucket(batch_size: int) -> int:
-        return bisect.bisect_left(BUCKETS, batch_size)
-
     def epsilon_at(self, steps: int) -> float:
         """Exploration probability after ``steps`` steps of a bucket."""
         decayed = self.epsilon * self.decay_steps / (self.decay_steps + steps)
@@ -111,7 +120,7 @@ class StrategyBandit:
             return PLAIN
         if len(self.arms) == 1:
             return self.arms[0]
-        b = self._buckets[self.bucket(batch_size)]
+        b = self._buckets[bucket_of(batch_size)]
         b.steps += 1
         skip = set(idle)
         candidates = [a for a in self.arms if a.proposer not in skip] or [PLAIN]
@@ -135,7 +144,7 @@ class StrategyBandit:
     def update(self, batch_size: int, arm: Strategy, tokens: int, seconds: float) -> None:
         if batch_size > self.max_batch or seconds <= 0:
             return
-        window = self._buckets[self.bucket(batch_size)].rewards.get(arm)
+        window = self._buckets[bucket_of(batch_size)].rewards.get(arm)
         if window is not None:
             window.append(tokens / seconds)
 
@@ -149,13 +158,8 @@ class StrategyBandit:
     def table(self) -> dict[str, dict[str, float]]:
         """Median reward (tokens/s) per bucket and arm, for /get_server_info and benchmarks."""
         out: dict[str, dict[str, float]] = {}
-        lows = (1, *(b + 1 for b in BUCKETS))
-        highs: tuple[int | None, ...] = (*BUCKETS, None)
-        for i, (lo, hi) in enumerate(zip(lows, highs, strict=True)):
-            if lo > self.max_batch:
-                break
-            name = str(lo) if lo == hi else f"{lo}-{hi if hi is not None else ''}"
+        for i in range(bucket_of(self.max_batch) + 1):
             seen = {str(a): statistics.median(r) for a, r in self._buckets[i].rewards.items() if r}
             if seen:
-                out[name] = {a: round(v, 1) for a, v in seen.items()}
+                out[bucket_name(i)] = {a: round(v, 1) for a, v in seen.items()}
         return out
