@@ -50,14 +50,14 @@ def make(model: str, dtype: str, spec: SpecConfig, rows: int) -> LLM:
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Run:
     s = llm.engine.stats
-    before = (s.spec_accepted, s.spec_verifies, s.spec_steps, s.decode_steps)
+    before = (s.spec.accepted, s.spec.verifies, s.spec.steps, s.decode_steps)
     t0 = time.perf_counter()
     res = llm.generate(prompts, params)
     dt = time.perf_counter() - t0
     accepted, verifies, steps, decodes = (
         a - b
         for a, b in zip(
-            (s.spec_accepted, s.spec_verifies, s.spec_steps, s.decode_steps), before, strict=True
+            (s.spec.accepted, s.spec.verifies, s.spec.steps, s.decode_steps), before, strict=True
         )
     )
     tokens = [r.samples[0].token_ids for r in res]
