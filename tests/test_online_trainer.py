@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.test_server_harness import Served, serve, wait_for
 from tests.test_server_lifecycle import read_ready_url, start_cli
@@ -120,10 +121,28 @@ def test_restart_resumes_and_skips_a_corrupt_checkpoint(
     with caplog.at_level(logging.ERROR, logger="trainer.state"):
         again = OnlineTrainer(cfg, ServerLink(server.base_url))
     assert "ckpt-999999999.pt is unusable" in caplog.text
-    assert (again.step, again.cursor) == (first.step, first.cursor)
-    for name, tensor in first.drafter.state_dict().items():
-        assert (again.drafter.state_dict()[name] == tensor).all(), name
+    assert again.resumed_from == (str(saved), first.step)
+    assert (again.step, again.cursor, again.published_version) == (
+        first.step, first.cursor, first.published_version)
+    assert_same(again.drafter.state_dict(), first.drafter.state_dict())
+    assert_same(again.opt.state_dict(), first.opt.state_dict())  # AdamW moments and steps
     assert saved in checkpoints(tmp_path)
+
+
+def assert_same(got: object, want: object, where: str = "") -> None:
+    """Nested dicts / lists of tensors and numbers, equal to the bit."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            assert_same(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list | tuple):
+        assert isinstance(got, list | tuple) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{where}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), where
+    else:
+        assert got == want, where
 
 
 def proc_state(pid: int) -> str:
@@ -178,6 +197,7 @@ def test_server_supervises_the_trainer_through_sigkill(
             wait_for(lambda: not training()["suspended"], timeout=30)
             assert proc_state(first["pid"]) != "T"
             os.kill(first["pid"], signal.SIGKILL)
+            newest = checkpoints(state)[0]  # nothing writes one any more
             out = http.post("/generate", json={"text": PROMPTS[0], "sampling_params": {
                 "max_new_tokens": 8, "temperature": 0}})
             assert out.status_code == 200 and len(out.json()["output_ids"]) == 8
@@ -186,7 +206,11 @@ def test_server_supervises_the_trainer_through_sigkill(
             assert after["pid"] != first["pid"]
             resumed = wait_for(lambda: (t := training()["trainer"])["pid"] == after["pid"] and t,
                                timeout=120, interval=0.5)
-            assert resumed["step"] >= ckpt_step  # it started from the checkpoint, not from 0
+            # It started from the newest checkpoint (whose state equals the trainer's that
+            # wrote it: test_restart_resumes_and_skips_a_corrupt_checkpoint), not from 0.
+            assert resumed["resumed_from"] == str(newest)
+            assert resumed["resumed_step"] == int(newest.stem.split("-")[1]) >= ckpt_step
+            assert resumed["step"] >= resumed["resumed_step"]
             sigterm_with_a_stream_in_flight(proc, url, headers, state)
     finally:
         proc.send_signal(signal.SIGTERM)

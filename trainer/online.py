@@ -111,6 +111,7 @@ class OnlineTrainer:
         self.noise_std: float | None = None
         self.stop = threading.Event()
         self._resume_opt: dict[str, Any] | None = None
+        self.resumed_from: tuple[str, int] | None = None  # (checkpoint, its step)
         target = link.target()
         self.stub = head_stub(target.cfg, target.tensors, max_positions=1 << 14)
         self.target_version = target.weight_version
@@ -138,6 +139,7 @@ class OnlineTrainer:
             self.step, self.cursor = int(payload["step"]), int(payload["cursor"])
             self.published_version = int(payload["published_version"])
             self._resume_opt = payload["optimizer"]
+            self.resumed_from = (str(path), self.step)
             log.info("resumed from %s (step %d, cursor %d)", path, self.step, self.cursor)
         elif self.cfg.init:
             drafter = load_drafter(self.cfg.init, self.stub)
@@ -335,6 +337,8 @@ class OnlineTrainer:
             "cursor": self.cursor,
             "loss": round(sum(self.losses) / len(self.losses), 4) if self.losses else None,
             "last_candidate": self.verdict,
+            "resumed_from": None if self.resumed_from is None else self.resumed_from[0],
+            "resumed_step": None if self.resumed_from is None else self.resumed_from[1],
         }
 
     def report(self) -> None:

@@ -28,6 +28,8 @@ class TrainerReport(Struct, forbid_unknown_fields=True):
     cursor: int = 0  # the last captured sample it pulled
     loss: float | None = None
     last_candidate: dict[str, Any] | None = None  # the promotion guard's last verdict
+    resumed_from: str | None = None  # the checkpoint this process started from
+    resumed_step: int | None = None  # that checkpoint's step
 
 
 class GateOut(Struct):
