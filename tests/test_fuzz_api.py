@@ -1,20 +1,20 @@
 """schemathesis against the server's own OpenAPI document: generated valid and invalid
 requests to every operation never get a 5xx and never hang.
 
-Every case runs with the admin key (so it reaches the handlers, not the key check); after
-each case generation is continued, so a fuzzed ``/pause_generation`` cannot stall the next
-one. Not fuzzed: ``/init_weights_update_group`` and ``/update_weights_from_distributed``,
-whose replies by contract wait (up to ``timeout_s``, default 120 s) until rank 0 of a
-torch.distributed group connects; serving goes on meanwhile (their input checks are tested
-in test_server_errors/test_server_weights). The server's
-request timeout bounds every generation the fuzzer asks for.
+Every case runs with the admin key (so it reaches the handlers, not the key check). Each
+case stands alone: after it, generation is continued (a fuzzed ``/pause_generation`` must not
+stall the next case), and the server must still generate and hold nothing (no request
+running, queued or in flight). The server's request timeout bounds every generation the
+fuzzer asks for. Not fuzzed: ``/init_weights_update_group`` and
+``/update_weights_from_distributed``, whose replies by contract wait (up to ``timeout_s``,
+default 120 s) until rank 0 of a torch.distributed group connects; serving goes on meanwhile
+(their input checks are tested in test_server_errors / test_server_weights).
 ``TLT_FUZZ_EXAMPLES`` sets the cases per operation (default 20).
 """
 
 from __future__ import annotations
 
 import os
-from collections import Counter
 from collections.abc import Iterator
 
 import httpx
@@ -41,11 +41,6 @@ def fuzz_server(tiny_model_dir) -> Iterator[Served]:
 
 
 @pytest.fixture(scope="module")
-def statuses() -> Counter[int]:
-    return Counter()
-
-
-@pytest.fixture(scope="module")
 def api_schema(fuzz_server: Served) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(f"{fuzz_server.base_url}/openapi.json", headers=AUTH)
 
@@ -56,37 +51,20 @@ schema = schemathesis.pytest.from_fixture("api_schema").exclude(path=list(BLOCKI
 @schema.parametrize()
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=list(HealthCheck), derandomize=True)
-def test_no_5xx_and_no_hang(case, fuzz_server: Served, statuses: Counter[int]) -> None:
+def test_no_5xx_no_hang_and_nothing_left_behind(case, fuzz_server: Served) -> None:
     try:
         resp = case.call(base_url=fuzz_server.base_url, headers=AUTH, timeout=HANG_S)
-        statuses[resp.status_code] += 1
         case.validate_response(resp, checks=[not_a_server_error])
         assert resp.status_code < 500, resp.text
     finally:
-        httpx.post(f"{fuzz_server.base_url}/continue_generation", headers=AUTH, timeout=30)
+        with httpx.Client(base_url=fuzz_server.base_url, headers=AUTH, timeout=60) as http:
+            assert http.post("/continue_generation").status_code == 200
+            still_serving(http)
 
 
-def test_the_server_survived_and_holds_nothing(fuzz_server: Served, statuses) -> None:
-    """Runs after the fuzzing: still serving, nothing left running, queued or in flight."""
-    with httpx.Client(base_url=fuzz_server.base_url, headers=AUTH, timeout=60) as http:
-        http.post("/continue_generation")
-        out = http.post("/generate", json={"text": "hi", "sampling_params": {
-            "max_new_tokens": 3, "temperature": 0}})
-        assert out.status_code == 200 and len(out.json()["output_ids"]) == 3
-        wait_for(lambda: engine_counts(http) == (0, 0, 0), timeout=60)
-    print(f"fuzz cases by status: {dict(sorted(statuses.items()))}")
-    assert statuses and not [s for s in statuses if s >= 500]
-
-
-def test_openapi_document_names_every_body(fuzz_server: Served) -> None:
-    doc = httpx.get(f"{fuzz_server.base_url}/openapi.json", headers=AUTH).json()
-    schemas = doc["components"]["schemas"]
-    for path, ops in doc["paths"].items():
-        for method, op in ops.items():
-            for media in op.get("requestBody", {}).get("content", {}).values():
-                ref = media["schema"].get("$ref")
-                assert ref is None or ref.rsplit("/", 1)[1] in schemas, (method, path)
-    assert doc["paths"]["/generate"]["post"]["requestBody"]
-    assert "admin" in doc["paths"]["/update_weights_from_disk"]["post"]["tags"]
-    anon = httpx.get(f"{fuzz_server.base_url}/openapi.json")
-    assert anon.status_code == 401  # the document is behind the key like everything else
+def still_serving(http: httpx.Client) -> None:
+    """The server generates, and once that is done nothing is running, queued or in flight."""
+    out = http.post("/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 1, "temperature": 0}})
+    assert out.status_code == 200 and len(out.json()["output_ids"]) == 1, out.text
+    wait_for(lambda: engine_counts(http) == (0, 0, 0), timeout=60)
