@@ -233,8 +233,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def summary(rows: list[dict]) -> dict:
-    """The issue's targets, on the offline measure (the same for all three drafters; the
-    served figure averages over the chains the engine happened to start, see the README)."""
+    """Adaptive vs reference and vs static accept, on the offline measure (the same for all
+    three drafters; the served figure averages over the chains the engine happened to start,
+    see docs/PERFORMANCE.md)."""
     second = [r for r in rows if r["phase"] == 1]
     last = [r for r in rows if r["version"] == rows[-1]["version"]]
 

@@ -64,18 +64,19 @@ class SpecConfig:
     drafter: str | None = None  # drafter checkpoint directory (see speculative/checkpoint.py)
     num_draft_tokens: int = 4  # chain depth: most tokens drafted per request per step
     # Speculate while at most this many sequences run (the long tail). Forced speculation
-    # (spec_decode, session 11) is x1.19-1.27 of plain at batch 1, x0.81-0.84 at 4 and
-    # x0.69-0.77 at 16; up to 8 the bandit may still pick plain decoding per bucket, above it
-    # no step pays for its exploration.
+    # (spec_decode, AMD EPYC Zen 4 with AVX512-BF16, 2026-12-01) is x1.19-1.27 of plain at
+    # batch 1, x0.81-0.84 at 4 and x0.69-0.77 at 16; up to 8 the bandit may still pick plain
+    # decoding per bucket, above it no step pays for its exploration.
     max_batch: int = 8
     tree_topk: int = 1  # > 1: tree drafting (drafter only), children per expanded node
     verify_budget: int = 0  # tree nodes verified per request (0: 2 * num_draft_tokens)
     # Chain depths the auto policy chooses among. Measured here (benchmarks/spec_decode.py,
     # bf16, 2 cores): depth 6 and drafter trees never beat depth 2-4 or plain decoding at any
     # batch size, so they are not default arms: each extra arm costs exploration steps in
-    # every bucket. Trees with the own kernels (session 12, batch 1, 4 interleaved rounds, warm-
-    # up drafter): chain depth 4 x1.06 of plain, trees 4x2/8 x0.65, 5x3/12 x0.59, 6x4/16 x0.46:
-    # the target's token is seldom in this drafter's top few either, so siblings add little.
+    # every bucket. Trees with the own kernels (EPYC Zen 4, 2026-12-01, batch 1, 4 interleaved
+    # rounds, warm-up drafter): chain depth 4 x1.06 of plain, trees 4x2/8 x0.65, 5x3/12
+    # x0.59, 6x4/16 x0.46: the target's token is seldom in this drafter's top few either, so
+    # siblings add little.
     auto_depths: tuple[int, ...] = (2, 4)
     # (depth, top-k, verify budget) of drafter trees the auto policy may also choose among
     auto_trees: tuple[tuple[int, int, int], ...] = ()
@@ -87,7 +88,7 @@ class SpecConfig:
     # rounds): 0 / 0.1 / 0.2 drafted 3.9 / 1.7 / 1.4 tokens per verify for the same accepted
     # 0.42 / 0.41 / 0.46, at x0.86 / x1.08 / x1.04 of plain decoding at batch 1 and x0.50 /
     # x0.56 / x0.60 at batch 4; 0.1 beat 0 in all ten rounds. With verify rows in the own
-    # kernels (session 11, Zen 4 host, one drafter engine per value, interleaved rounds of 96
+    # kernels (EPYC Zen 4, 2026-12-01, one drafter engine per value, interleaved rounds of 96
     # greedy tokens, two runs): 0.3 over 0.1 +11% / +3% at batch 1 and +28% / +13% at batch
     # 4; 0.4 and 0.5 within noise of 0.3 (one run), 0.7 lower.
     min_draft_confidence: float = 0.3
