@@ -191,3 +191,35 @@ def test_completion_max_tokens_zero_is_400(served, model) -> None:
     with served.http() as http:
         resp = http.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 0})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
+
+
+def test_max_tokens_past_the_context_is_400_naming_the_field(served, sdk, model) -> None:
+    """As OpenAI and vLLM: a completion that cannot fit after the prompt is refused, not cut."""
+    with served.http() as http:
+        prompt_len = http.post("/tokenize", json={"prompt": "hi"}).json()["count"]
+    room = MAX_MODEL_LEN - prompt_len
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=model, prompt="hi", max_tokens=1_000_000_000)
+    assert info.value.body["param"] == "max_tokens"
+    assert f"{MAX_MODEL_LEN} - {prompt_len}" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=model, prompt="hi", max_tokens=room + 1)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=10**9)
+    assert info.value.body["param"] == "max_completion_tokens"
+    out = sdk.completions.create(model=model, prompt="hi", max_tokens=room, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == room and out.choices[0].finish_reason == "length"
+
+
+def test_generate_stops_an_oversized_max_new_tokens_at_the_context_end(served) -> None:
+    """/generate (SGLang dialect) keeps it: the output ends at max_model_len, finish length."""
+    body = {"input_ids": [1, 2, 3], "sampling_params": {
+        "max_new_tokens": 1_000_000_000, "temperature": 0, "ignore_eos": True}}
+    with served.http() as http:
+        out = http.post("/generate", json=body)
+    assert out.status_code == 200, out.text
+    meta = out.json()["meta_info"]
+    assert meta["completion_tokens"] == MAX_MODEL_LEN - 3
+    assert meta["finish_reason"]["type"] == "length"

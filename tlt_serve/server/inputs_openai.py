@@ -114,8 +114,17 @@ def _params(
     rename: dict[str, str],
 ) -> SamplingParams:
     room = info.max_model_len - prompt_len
+    names = {"max_new_tokens": "max_tokens", **rename}
+    if max_tokens is not None and max_tokens > room:
+        # As OpenAI and vLLM: refused, not silently cut at the end of the context.
+        raise ParamError(
+            names["max_new_tokens"],
+            f"is too large: {max_tokens}. The maximum context length is {info.max_model_len} "
+            f"tokens and the prompt has {prompt_len}, which leaves {room} "
+            f"({max_tokens} > {info.max_model_len} - {prompt_len})",
+        )
     return make_params(
-        {"max_new_tokens": "max_tokens", **rename},
+        names,
         max_new_tokens=room if max_tokens is None else max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
