@@ -22,13 +22,17 @@ REPO = Path(__file__).resolve().parents[1]
 LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
 
 
-def start_cli(model: str, *extra: str) -> subprocess.Popen[str]:
+def start_cli(
+    model: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """The CLI in a session of its own (``os.killpg(proc.pid, ...)`` reaches every process it
+    started, as Ctrl-C in a terminal would); ``env`` adds to the environment."""
     cmd = [sys.executable, "-m", "tlt_serve.server.cli", "serve", "--model", model, "--port", "0",
            "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
            "--log-level", "warning", *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=REPO)
+                            env=env, cwd=REPO, start_new_session=True)
 
 
 def read_ready_url(proc: subprocess.Popen[str], timeout: float = 120) -> str:
@@ -44,6 +48,37 @@ def read_ready_url(proc: subprocess.Popen[str], timeout: float = 120) -> str:
         if m:
             return m.group(1)
     raise AssertionError("no ready line; output:\n" + "".join(seen))
+
+
+def test_a_start_killed_while_building_the_kernels_does_not_block_the_next(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL every process of a bf16 server while it compiles the CPU kernels (torch's
+    build ``lock`` file is left behind), then start again: it builds and serves."""
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    first = start_cli(str(tiny_model_dir), "--dtype", "bfloat16", env=env)
+    try:
+        lock = wait_for(lambda: next((tmp_path / "ext").glob("tlt_serve_bf16_*/lock"), None),
+                        timeout=120, interval=0.02)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(30)
+    time.sleep(0.5)  # let the compilers of the dead build go too
+    assert lock.exists()  # what made every later start wait forever
+    second = start_cli(str(tiny_model_dir), "--dtype", "bfloat16", env=env)
+    try:
+        url = read_ready_url(second, timeout=600)
+        with httpx.Client(base_url=url, timeout=60) as http:
+            out = http.post("/generate", json={"text": "hi", "sampling_params": {
+                "max_new_tokens": 4, "temperature": 0}})
+            assert out.status_code == 200 and len(out.json()["output_ids"]) == 4
+            info = http.get("/get_server_info").json()
+        assert info["engine_info"]["dtype"] == "bfloat16"
+    finally:
+        os.killpg(second.pid, signal.SIGTERM)
+        second.wait(60)
+    assert not lock.exists()
+    assert [p.name for p in lock.parent.glob("*.so")]  # it built the kernels, not gave up
 
 
 def test_cli_serves_and_sigterm_aborts_in_flight(tiny_model_dir) -> None:

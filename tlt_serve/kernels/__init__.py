@@ -5,15 +5,26 @@ takes AVX512-BF16 dot products where the CPU has them): the bf16 matrix × rows 
 RMSNorm, the attention of a few query tokens per row (decode, verify, draft trees), and all of them
 as one whole decoder layer (``decoder_layer.cpp``); or None when
 they cannot be had (no AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``);
-callers then use torch's own kernels, so nothing depends on them for correctness. The build
-(~40 s) is cached by torch in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
+callers then use torch's own kernels, so nothing depends on them for correctness.
+
+The build (~40 s) is cached under ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) in a directory named by the hash of the sources, the flags
+and the torch version, so checkouts and environments on one machine each keep their own
+build instead of rebuilding each other's. Builders of one directory take turns on an
+``flock`` the kernel drops when its holder dies: a start stopped mid-build (Ctrl-C,
+SIGKILL) leaves torch's own ``lock`` file behind, and the next builder, holding the flock,
+knows it is stale and removes it (torch would wait on it forever). A builder that waits on
+a live one more than ``BUILD_WAIT_S`` gives up with a message naming the lock file, and the
+server runs on torch's kernels.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -51,6 +62,8 @@ LayerKernel = Callable[..., torch.Tensor]
 MATVEC_ROWS = 128
 MATVEC_ROWS_NATIVE_BF16 = 8
 MATVEC_ROWS_AVX512_BF16 = 32
+SOURCES = ("bf16_gemv.cpp", "decoder_layer.cpp", "bf16_kernels.h")
+BUILD_WAIT_S = 600.0  # longest wait on another process's build of the same kernels
 
 
 @dataclass(frozen=True)
@@ -133,7 +146,7 @@ def native_bf16_gemm() -> bool:
 
 
 def _build(openmp: bool) -> Any:
-    """Compile (or load the cached build of) the kernel.
+    """Compile (or load the cached build of) the kernels.
 
     ``at::parallel_for`` in an extension splits work over torch's threads only when the
     extension itself is compiled with OpenMP: without ``-fopenmp`` its pragma is ignored and
@@ -141,17 +154,65 @@ def _build(openmp: bool) -> Any:
     on 1 or 2 threads alike, 2.8 ms with OpenMP on 2). Linking ``-fopenmp`` resolves to the
     libgomp torch already loaded (same soname), so there is one OpenMP runtime and one pool.
     """
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     omp = ["-fopenmp"] if openmp else []
+    cflags = ["-O3", "-mavx2", "-mfma", *omp]
     here = Path(__file__).parent
-    # torch rebuilds when the sources or the flags change, not the header: its hash goes in
-    # as a define, so editing only the header rebuilds too.
-    header = hashlib.sha256((here / "bf16_kernels.h").read_bytes()).hexdigest()[:16]
-    return load(
-        name="tlt_serve_bf16_gemv" + ("_omp" if openmp else ""),
-        sources=[str(here / f) for f in ("bf16_gemv.cpp", "decoder_layer.cpp")],
-        extra_cflags=["-O3", "-mavx2", "-mfma", f"-DTLT_KERNELS_HEADER={header}", *omp],
-        extra_ldflags=omp,
-        verbose=False,
-    )
+    name = f"tlt_serve_bf16_{build_key(here, cflags)}" + ("_omp" if openmp else "")
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
+    build_dir = Path(root) / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _builder_lock(build_dir / "tlt-build.flock"):
+        stale = build_dir / "lock"  # torch's; no live builder holds it while we hold ours
+        if stale.exists():
+            log.warning("removing %s, left by a build that was stopped", stale)
+            stale.unlink(missing_ok=True)
+        return load(
+            name=name,
+            sources=[str(here / f) for f in SOURCES if f.endswith(".cpp")],
+            extra_cflags=cflags,
+            extra_ldflags=omp,
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+
+
+def build_key(here: Path, cflags: list[str]) -> str:
+    """Hash of what the build depends on: sources and header, flags, torch's version."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    for f in SOURCES:
+        digest.update(f.encode() + b"\0" + (here / f).read_bytes())
+    digest.update(" ".join(cflags).encode())
+    return digest.hexdigest()[:16]
+
+
+class _builder_lock:
+    """An exclusive ``flock`` on ``path``, waited for up to ``BUILD_WAIT_S``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline, said = time.monotonic() + BUILD_WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise TimeoutError(
+                        f"another process has been building the kernels for over "
+                        f"{BUILD_WAIT_S:.0f} s (it holds {self.path}); stop it or delete "
+                        f"{self.path.parent}"
+                    ) from None
+                if not said:
+                    log.info("waiting for another process's kernel build (%s)", self.path)
+                    said = True
+                time.sleep(0.2)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)  # closing drops the flock
