@@ -23,7 +23,6 @@ Stages cache their results under ``--work``; ``--stage report`` redraws from the
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import shutil
@@ -35,6 +34,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from benchmarks import report
 from benchmarks.adaptation_reference import (
     accept_on,
     as_samples,
@@ -206,11 +206,7 @@ def evaluate(a: Args, dirs: list[Path], phases: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     x = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.plot(x, [r["static"] for r in rows], "o-", label="(a) static warm-up drafter")
@@ -228,8 +224,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel(f"accept length (depth {DEPTH}, excl. bonus)")
     ax.set_title("Drafter accept length across drifting target versions")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    report.save(fig, path)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -251,7 +246,7 @@ def summary(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--drafter", default=str(default_cache_dir() / "drafters" / "smollm2-135m"))
     ap.add_argument("--work", default=str(default_cache_dir() / "adaptation"))
     ap.add_argument("--stage", default="all",
@@ -289,16 +284,13 @@ def main() -> None:
         result = {"benchmark": "adaptation", "args": {k: str(v) for k, v in vars(n).items()},
                   "references": json.loads((a.work / "references.json").read_text()),
                   "phases": rows, "summary": summary(rows)}
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=2))
-        plot(rows, a.out.with_suffix(".png"))
         for r in rows:
             print(f"v{r['version']}.{r['phase']}: static {r['static']:.3f}  adaptive "
                   f"{r['adaptive_offline']:.3f} (served {r['online_accept']:.3f} over "
                   f"{r['verify_steps']} verify steps)  reference {r['reference']:.3f}  "
                   f"drafter v{r['serving_drafter']}")
         print(json.dumps(result["summary"]))
-        print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
+        report.write(result, a.out, lambda res, png: plot(res["phases"], png))
 
 
 if __name__ == "__main__":

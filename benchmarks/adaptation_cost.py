@@ -11,7 +11,6 @@ stays closed while requests are in flight). Reported as medians and ratios to ``
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import report
 from benchmarks.served_vs_offline import served, workload
 from benchmarks.serverproc import running_server
 from tlt_serve.models.provision import resolve_model_path
@@ -38,7 +38,7 @@ def wait_for_trainer(url: str, timeout: float = 300) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--dtype", default="bfloat16")
@@ -78,9 +78,7 @@ def main() -> None:
         "ratio_to_base": {name: med[name] / med["base"] for name in med},
     }
     print(json.dumps(out["ratio_to_base"], indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    report.write(out, args.out)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ would show without the confidence cut) and top-1. JSON + PNG.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from benchmarks import report
 from benchmarks.adaptation_reference import version_stub
 from benchmarks.prompts import ALL, CHAT, CODE, REASONING, chat_messages
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
@@ -61,7 +61,7 @@ def kind_of(i: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--drafters", required=True, help="comma-separated checkpoint directories")
     ap.add_argument("--names", default="", help="comma-separated labels (default: dir names)")
     ap.add_argument("--model", default="smollm2-135m")
@@ -95,25 +95,17 @@ def main() -> None:
             f"{r['walk_accept_length']:.3f}, top-1 {r['top1']:.3f}; walk by kind "
             + ", ".join(f"{k} {results[name][k]['walk_accept_length']:.3f}" for k in KINDS)
         )
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {
+    result = {
         "benchmark": "drafter_accept",
         "args": vars(a),
         "results": results,
         "drafters": {n: str(d) for n, d in zip(names, dirs, strict=True)},
     }
-    out.write_text(json.dumps(report, indent=1))
-    plot(results, out.with_suffix(".png"), a)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    report.write(result, a.out, lambda _, png: plot(results, png, a))
 
 
 def plot(results: dict[str, dict], path: Path, a: argparse.Namespace) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     groups = ["all", *KINDS]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.8 / len(results)
@@ -124,8 +116,7 @@ def plot(results: dict[str, dict], path: Path, a: argparse.Namespace) -> None:
     ax.set_ylabel(f"accepted drafts per chain (depth {a.depth})")
     ax.set_title(f"walk accept on {a.prompts} benchmark prompts, {a.max_new_tokens} greedy tokens")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    report.save(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ per version with ``drift.json``) and rebuilt only when their settings change.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks import report
 from clients.policy import load_policy, make_batch, response_logprobs, save_policy
 from clients.tasks import make_problems, prompt_ids, solution
 from tlt_serve.models.provision import default_cache_dir, resolve_model_path
@@ -85,7 +85,7 @@ def _stage(cfg: DriftConfig, prev: Path, base: Path, out: Path, k: int, key: dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     d = DriftConfig()
     ap.add_argument("--model", default=d.model)
     ap.add_argument("--versions", type=int, default=d.versions)

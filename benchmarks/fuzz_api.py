@@ -14,7 +14,6 @@ status and operation come from the HAR log; writes benchmarks/results/fuzz_api.j
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import report
 from benchmarks.serverproc import running_server
 
 ADMIN = "fuzz-admin-key"
@@ -31,7 +31,7 @@ BLOCKING = ("/init_weights_update_group", "/update_weights_from_distributed")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-examples", type=int, default=100, help="per operation and phase")
     ap.add_argument("--max-response-s", type=float, default=60.0)
@@ -75,7 +75,7 @@ def main() -> None:
         "wall_s": round(time.monotonic() - t0, 1), "excluded": list(BLOCKING),
         "cases_per_operation": dict(sorted(per_op.items())),
     }
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    report.write(result, a.out)
     har.unlink()
     print(json.dumps({k: v for k, v in result.items() if k != "cases_per_operation"}, indent=1))
     ok = code == 0 and result["server_errors"] == 0 and result["alive_after"]

@@ -10,15 +10,13 @@ tokens, every sequence carrying an advantage (the most work a step of that size 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.host import host
+from benchmarks import report
 from clients.grpo import Rollout, policy_update
 from clients.policy import load_policy
 from clients.results import Sample
@@ -28,7 +26,7 @@ from tlt_serve.models.tokenizer import load_tokenizer
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--seqs", type=int, default=96)
     ap.add_argument("--tokens", type=int, default=60, help="response tokens per sequence")
@@ -54,12 +52,12 @@ def main() -> None:
         policy_update(policy, opt, rollouts, a.micro_batch, clip=0.2)
         seconds.append(time.perf_counter() - t0)
         print(f"update {r}: {seconds[-1]:.1f} s ({a.seqs} sequences x {a.tokens} tokens)")
-    result = {"benchmark": "grpo_step", "args": vars(a), "machine": host(),
-              "threads": torch.get_num_threads(), "seconds": [round(s, 2) for s in seconds],
+    result = {"benchmark": "grpo_step", "args": vars(a), "threads": torch.get_num_threads(),
+              "seconds": [round(s, 2) for s in seconds],
               "median_s": round(statistics.median(seconds), 2)}
-    print(json.dumps(result))
+    print(json.dumps({**result, **report.stamp()}))  # the only output without --out
     if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=2))
+        report.write(result, a.out)
 
 
 if __name__ == "__main__":

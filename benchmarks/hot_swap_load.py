@@ -11,7 +11,6 @@ and produce exactly the tokens of (1).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from benchmarks import report
 from benchmarks.prompts import chat_messages
 from benchmarks.serverproc import running_server
 from tlt_serve.models.provision import resolve_model_path
@@ -105,7 +105,7 @@ def check(ref: list[Any], got: list[Any], new: int, max_version: int) -> dict[st
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--drafters", required=True, help="two checkpoints, comma-separated")
     ap.add_argument("--requests", type=int, default=200)
@@ -130,8 +130,8 @@ def main() -> None:
     with running_server(common + spec) as url:
         got, swaps = asyncio.run(swapped_run(url, prompts, args.new_tokens, drafters))
     spec_s = time.perf_counter() - t0
-    report = check(ref, got, args.new_tokens, len(swaps))
-    report.update(
+    result = check(ref, got, args.new_tokens, len(swaps))
+    result.update(
         benchmark="hot_swap_load",
         args=vars(args),
         swaps=len(swaps),
@@ -140,10 +140,8 @@ def main() -> None:
         plain_failed=sum(1 for r in ref if not isinstance(r, dict)),
         wall_s={"plain": round(plain_s, 1), "spec_with_swaps": round(spec_s, 1)},
     )
-    print(json.dumps({k: v for k, v in report.items() if k != "examples"}, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    print(json.dumps({k: v for k, v in result.items() if k != "examples"}, indent=2))
+    report.write(result, args.out)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ kernels, so a few may differ). JSON + PNG.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from dataclasses import replace
@@ -26,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.host import host
+from benchmarks import report
 from benchmarks.prompts import chat_messages
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
@@ -46,7 +44,7 @@ def switch(model: LlamaModel, kernels: CpuKernels, off: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--new-tokens", type=int, default=96)
@@ -96,29 +94,21 @@ def main() -> None:
                                    "same_tokens_as_all": round(statistics.mean(same[c]), 3)}
     bar.close()
     switch(model, kernels, "all")
-    report = {"model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
-              "threads": args.threads, "machine": host(),
+    result = {"model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
+              "threads": args.threads,
               "configs": {"all": "every own kernel",
                           "layer": "the own kernels op by op, no whole-layer kernel",
                           **{c: f"torch's {c} instead" for c in OFF[2:]},
                           "avx2": "the own product's AVX2 path (rows <= 8)"},
               "results": results}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
     for c in configs:
         print(c.ljust(10), "  ".join(f"bs{b} {v['tokens_per_s']:6.1f} tok/s (x{v['vs_all']:.2f})"
                                      for b, v in results[c].items()))
-    plot(results, batches, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    report.write(result, args.out, lambda _, png: plot(results, batches, png))
 
 
 def plot(results: dict, batches: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     configs = list(results)
     width = 0.8 / len(configs)
@@ -132,8 +122,7 @@ def plot(results: dict, batches: list[int], path: Path) -> None:
     ax.set_ylabel("decode tokens/s (bf16, greedy)")
     ax.set_title("Each own CPU kernel switched off in turn")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    report.save(fig, path)
 
 
 if __name__ == "__main__":

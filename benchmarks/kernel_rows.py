@@ -15,7 +15,6 @@ one-row figure is faster than a real step's, which streams 269 MB from memory.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from benchmarks.host import host
+from benchmarks import report
 from tlt_serve.kernels import cpu_kernels, matvec_avx2, native_bf16_gemm, own_avx512_bf16
 
 
@@ -36,7 +35,7 @@ def shapes(hidden: int, inter: int, kv: int, vocab: int) -> list[tuple[int, int]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--hidden", type=int, default=576)  # smollm2-135m
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--kv-dim", type=int, default=192)
@@ -98,30 +97,21 @@ def main() -> None:
     bar.close()
     torch.set_num_threads(args.threads)
     weight_bytes = sum(w.numel() * 2 for w in weights[:-1]) * args.layers + weights[-1].numel() * 2
-    report = {
+    result = {
         "benchmark": "kernel_rows",
         "args": vars(args),
-        "machine": host(),
         "ms_per_step": ms,
         "ratio_to_one_row": {
             n: {r: round(v / d[1], 2) for r, v in d.items()} for n, d in ms.items()
         },
         "kernel_gb_s_one_row": round(weight_bytes / (ms["kernel"][1] / 1e3) / 1e9, 1),
     }
-    print(json.dumps({k: report[k] for k in ("ms_per_step", "kernel_gb_s_one_row")}, indent=1))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    plot(ms, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(json.dumps({k: result[k] for k in ("ms_per_step", "kernel_gb_s_one_row")}, indent=1))
+    report.write(result, args.out, lambda _, png: plot(ms, png))
 
 
 def plot(ms: dict[str, dict[int, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, d in ms.items():
         ax.plot(list(d), list(d.values()), marker="o", label=name)
@@ -130,8 +120,7 @@ def plot(ms: dict[str, dict[int, float]], path: Path) -> None:
     ax.set_ylabel("ms for all projections of one step")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    report.save(fig, path)
 
 
 if __name__ == "__main__":

@@ -8,15 +8,13 @@ batch 1, 16 and 64, measured side by side in one run and reported as ratios.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.host import host
+from benchmarks import report
 from benchmarks.prompts import chat_messages
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
@@ -54,7 +52,7 @@ def run_hf(hf, pad_id: int, prompts: list[list[int]], new_tokens: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -87,22 +85,14 @@ def main() -> None:
         "dtype": "bfloat16",
         "new_tokens": args.new_tokens,
         "threads": torch.get_num_threads(),
-        "machine": host(),
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    png = plot(result, Path(args.out).with_suffix(".png"))
-    print(f"wrote {args.out} and {png}")
+    report.write(result, args.out, plot)
 
 
 def plot(result: dict, path: Path) -> Path:
     """Grouped bars: tok/s of tlt-serve and HF per batch size, ratio on top."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     rows = result["rows"]
     xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -114,9 +104,7 @@ def plot(result: dict, path: Path) -> Path:
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"{result['model']} {result['dtype']}, {result['new_tokens']} new tokens")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return path
+    return report.save(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ their distribution is the target's). JSON + PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 from pathlib import Path
 
-from benchmarks.host import host
+from benchmarks import report
 from benchmarks.serverproc import running_server
 from clients.grpo import GrpoConfig, GrpoLoop
 
@@ -51,11 +50,7 @@ def run_config(a: argparse.Namespace, name: str) -> list[dict]:
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     for name, recs in results.items():
         ax.plot([r["step"] for r in recs], [r["reward"] for r in recs], "o-", label=name)
@@ -69,12 +64,11 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax2.set(ylabel="seconds per RL step (mean)", title="where an RL step's time goes")
     ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    report.save(fig, path)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--configs", default="off,static,tlt")
@@ -107,14 +101,10 @@ def main() -> None:
             s["rollout_speedup"] = round(base["rollout_s"] / s["rollout_s"], 3)
             s["step_speedup"] = round(base["step_s"] / s["step_s"], 3)
         print({n: (s["rollout_speedup"], s["step_speedup"]) for n, s in summary.items()})
-    path = Path(a.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    out = {"benchmark": "rl_e2e", "machine": host(), "args": vars(a), "summary": summary,
+    out = {"benchmark": "rl_e2e", "args": vars(a), "summary": summary,
            "steps": {n: [{k: v for k, v in r.items() if k != "lengths"} for r in recs]
                      for n, recs in results.items()}}
-    path.write_text(json.dumps(out, indent=2))
-    plot(results, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    report.write(out, a.out, lambda _, png: plot(results, png))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from benchmarks.host import host
+from benchmarks import report
 from benchmarks.load_client import Timed, stream_generate, stream_openai
 from benchmarks.prompts import chat_messages
 from benchmarks.serverproc import VLLM_SERVED_NAME, running_server, running_vllm
@@ -268,11 +268,7 @@ def server_args(a: argparse.Namespace, config: str, rows: int) -> list[str]:
 
 
 def plot(results: dict[str, dict], mode: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     if mode == "rollout":
         fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
         for name, r in results.items():
@@ -297,12 +293,11 @@ def plot(results: dict[str, dict], mode: str, path: Path) -> None:
         ax.set(xlabel="concurrency" if mode == "sweep" else "", ylabel="tokens/s",
                title=f"{mode}: throughput")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    report.save(fig, path)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--mode", choices=list(MODES), default="rollout")
     ap.add_argument("--workload", choices=["lognormal", "task"], default="lognormal")
     ap.add_argument("--model", default="smollm2-135m")
@@ -364,13 +359,9 @@ def main() -> None:
         summary["speedup_vs_first"] = {n: round(base / r["makespan_s"], 3)
                                        for n, r in results.items()}
         print("makespan speedup:", summary["speedup_vs_first"])
-    out = {"benchmark": "rollout_load", "machine": host(),
-           "args": {k: str(v) for k, v in vars(a).items()}, "summary": summary, "results": results}
-    path = Path(a.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    plot(results, a.mode, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    out = {"benchmark": "rollout_load", "args": {k: str(v) for k, v in vars(a).items()},
+           "summary": summary, "results": results}
+    report.write(out, a.out, lambda _, png: plot(results, a.mode, png))
 
 
 if __name__ == "__main__":

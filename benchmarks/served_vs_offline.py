@@ -10,15 +10,14 @@ previous one finishes. Output lengths vary (EOS ignored) so continuous batching 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import httpx
 from tqdm import tqdm
 
+from benchmarks import report
 from benchmarks.prompts import chat_messages
 from benchmarks.serverproc import running_server
 from tlt_serve import LLM, SamplingParams
@@ -82,7 +81,7 @@ async def served(url: str, reqs: list[tuple[list[int], int]], concurrency: int) 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--concurrency", type=int, default=64)
@@ -115,9 +114,7 @@ def main() -> None:
     print(f"served / offline = {ratio:.3f}")
     out = {"benchmark": "served_vs_offline", "args": vars(args), "offline": off, "served": srv,
            "ratio": ratio}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    report.write(out, args.out)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ import numpy as np
 import psutil
 from tqdm import tqdm
 
+from benchmarks import report
 from benchmarks.prompts import ALL
 from benchmarks.serverproc import start_server, stop_server
 from tlt_serve.models.provision import DEFAULT_MODEL
@@ -719,11 +720,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     ss = summary["samples"]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     pts = [(s["t"] / 60, s["rss_mb"]) for s in ss if s["rss_mb"] is not None]
@@ -758,15 +755,12 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     c = summary["counts"]
     fig.suptitle(f"soak: {c['finished']} requests, lost {c['lost']}, dups {c['duplicates']}, "
                  f"errors {c['errors']}, KV empty at end: {summary['kv_end']['empty']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save(fig, path)
 
 
 def write_outputs(summary: dict[str, Any], out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "soak.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot(summary, out_dir / "soak.png")
+    """``soak.json`` (stamped with machine, date, commit) and ``soak.png`` in ``out_dir``."""
+    report.write(summary, out_dir / "soak.json", plot)
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -774,7 +768,7 @@ def write_outputs(summary: dict[str, Any], out_dir: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d = SoakConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = report.parser(__doc__)
     p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load")
     p.add_argument("--concurrency", type=int, default=d.concurrency)
     p.add_argument("--disconnect-frac", type=float, default=d.disconnect_frac)
@@ -841,7 +835,6 @@ def main(argv: list[str] | None = None) -> int:
     summary["server_threads"] = a.server_threads
     print_summary(summary)
     write_outputs(summary, a.out_dir)
-    print(f"wrote {a.out_dir / 'soak.json'} and {a.out_dir / 'soak.png'}")
     return 0 if summary["passed"] else 1
 
 

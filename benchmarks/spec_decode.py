@@ -15,7 +15,6 @@ only while at most ``max_batch`` sequences run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.host import host
+from benchmarks import report
 from benchmarks.prompts import chat_messages
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
@@ -70,7 +69,7 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Run:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--drafter", default=None, help="drafter checkpoint (tlt-train warmup)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -137,7 +136,7 @@ def main() -> None:
                 "same_tokens_as_plain": round(same, 3),
             }
     bar.close()
-    report = {
+    result = {
         "model": args.model,
         "dtype": args.dtype,
         "drafter": args.drafter,
@@ -147,7 +146,6 @@ def main() -> None:
         "temperature": args.temperature,
         "repeats": args.repeats,
         "threads": args.threads,
-        "machine": host(),
         "cpu_count": len(__import__("os").sched_getaffinity(0)),
         "results": results,
         # Median tokens/s per batch-size bucket and strategy, as the adaptive policy measured
@@ -157,20 +155,13 @@ def main() -> None:
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
     }
     print(json.dumps(results, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    report.write(result, args.out, plot)
 
 
-def plot(report: dict, path: Path) -> None:  # type: ignore[type-arg]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results = report["results"]
+def plot(result: dict, path: Path) -> None:  # type: ignore[type-arg]
+    """Tokens/s and speedup vs plain per batch size; the title names ``machine``."""
+    plt = report.pyplot()
+    results = result["results"]
     names = list(results)
     batches = list(results[names[0]])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -195,12 +186,11 @@ def plot(report: dict, path: Path) -> None:  # type: ignore[type-arg]
     ax2.set_ylabel("speedup vs plain (median of paired repeats, range)")
     ax2.legend()
     fig.suptitle(
-        f"{report['model']} {report['dtype']}, {report['new_tokens']} new tokens, depth "
-        f"{report['depth']}, T={report['temperature']} ({report['machine']})",
+        f"{result['model']} {result['dtype']}, {result['new_tokens']} new tokens, depth "
+        f"{result['depth']}, T={result['temperature']} ({result['machine']})",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    report.save(fig, path)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import report
 from benchmarks.prompts import chat_messages
 from benchmarks.serverproc import running_server
 from tlt_serve.models.provision import resolve_model_path
@@ -96,7 +97,7 @@ def supervised(args: argparse.Namespace, drafter: str, prompts: list[list[int]])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--trials", type=int, default=20)
@@ -147,9 +148,7 @@ def main() -> None:
         prompts = [tok.apply_chat_template(chat_messages(i)) for i in range(32)]
         out["supervised_stop_latency_s"] = supervised(args, drafter, prompts)
     print(json.dumps(out, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    report.write(out, args.out)
 
 
 if __name__ == "__main__":
