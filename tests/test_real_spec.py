@@ -5,21 +5,15 @@ through a generation."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.real_drafter import fit_drafter
 from tests.staged import assert_switched_on_off_on, run_staged
 from tests.test_real_model import PROMPTS as REAL_PROMPTS
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
-from tlt_serve.speculative.checkpoint import save_drafter
-from tlt_serve.speculative.drafter import DrafterSpec, new_drafter
-from trainer.data import build_draft_vocab, make_samples, target_features
-from trainer.target import head_target
-from trainer.train import TrainConfig, train
 
 pytestmark = pytest.mark.real_model
 
@@ -58,31 +52,9 @@ def plain() -> tuple[LLM, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def drafter_dir(plain, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A drafter fitted in seconds to the target's own answers to these prompts.
-
-    Exactness does not depend on draft quality, but only accepted drafts exercise what a
-    rejected one never reaches: keeping the accepted path's KV, the bonus token, advancing
-    the drafter along the path. An untrained drafter accepts almost nothing here."""
+    """A drafter fitted in seconds to the target's own answers to these prompts."""
     llm, ref = plain
-    prompts = chat(llm)
-    model = llm.engine.model
-    samples = make_samples(
-        prompts,
-        ref,
-        target_features(model, [p + r for p, r in zip(prompts, ref, strict=True)], 4096),
-    )
-    stub = head_target(model, max(len(p) + len(r) for p, r in zip(prompts, ref, strict=True)) + 16)
-    spec = DrafterSpec(draft_vocab_size=2048)
-    d = new_drafter(stub, spec, seed=0)
-    with torch.no_grad():
-        d.draft_vocab.copy_(build_draft_vocab(ref, prompts, 2048, model.cfg.vocab_size))
-    d.refresh_head()
-    cfg = TrainConfig(
-        steps=150, batch_tokens=512, row_len=128, lr=3e-3, warmup_steps=5, eval_every=0
-    )
-    train(d, samples, [], cfg, seed=0)
-    hf = json.loads((llm.engine.model_path / "config.json").read_text())
-    return save_drafter(d, tmp_path_factory.mktemp("drafter") / "d", hf, spec)
+    return fit_drafter(llm, chat(llm), ref, tmp_path_factory.mktemp("drafter") / "d")
 
 
 def spec_for(proposer: str, drafter: Path, max_batch: int) -> SpecConfig:

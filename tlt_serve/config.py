@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("native", "vllm")  # tlt_serve/backends
 
 
 class ConfigError(ValueError):
@@ -170,8 +171,18 @@ class EngineConfig:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     seed: int = 0  # seeds the shared generator of requests without their own seed
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    backend: str = "native"  # native | vllm (tlt_serve/backends)
 
     def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend: {self.backend!r} is not one of {BACKENDS}")
+        if self.backend == "vllm":
+            # What vLLM's engine cannot do, refused rather than ignored.
+            if self.spec.tree_topk > 1:
+                raise ConfigError("tree_topk: vLLM's EAGLE drafts chains (backend vllm)")
+            if self.capture.enabled:
+                raise ConfigError("capture: not available on backend vllm (no drafter "
+                                  "training samples from vLLM's engine)")
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()

@@ -223,7 +223,7 @@ class Engine:
             return UpdateResult(False, str(err), self.weight_version)
         if n == 0:
             return UpdateResult(False, "no weights in the update", self.weight_version)
-        self.weight_version = version if version is not None else _next_version(self.weight_version)
+        self.weight_version = version if version is not None else next_version(self.weight_version)
         if (drafter := self.spec.drafter) is not None:
             drafter.refresh_head()  # a sliced draft head copies rows of the target's head
         log.info("weights updated (%d tensors) → version %s", n, self.weight_version)
@@ -299,5 +299,5 @@ def sample_rids(rid: str, n: int) -> list[str]:
     return [rid] if n == 1 else [f"{rid}#{i}" for i in range(n)]
 
 
-def _next_version(version: str) -> str:
+def next_version(version: str) -> str:
     return str(int(version) + 1) if version.isdigit() else f"{version}+1"

@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tlt_serve.backends import engine_entry
 from tlt_serve.config import EngineConfig
 from tlt_serve.engine.engine import sample_rids
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.sampling_params import ParamError, SamplingParams
-from tlt_serve.server.engine_proc import run_engine
 from tlt_serve.server.messages import (
     Abort,
     AbortAll,
@@ -101,9 +101,11 @@ class EngineClient:
         """Spawn the engine process and block until it has loaded the model."""
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe(duplex=True)
+        backend = self.config.backend
+        # vLLM's engine process starts processes of its own, which a daemon may not.
         self._proc = ctx.Process(
-            target=run_engine, args=(self.config, child, self.log_level),
-            name="tlt-engine", daemon=True,
+            target=engine_entry(backend), args=(self.config, child, self.log_level),
+            name=f"tlt-engine-{backend}", daemon=backend == "native",
         )
         self._proc.start()
         child.close()  # keep only the child's copy, so its exit gives us EOF

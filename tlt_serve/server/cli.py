@@ -11,6 +11,7 @@ from types import FrameType
 
 import uvicorn
 
+from tlt_serve.backends import BACKENDS, VLLM_INSTALL, missing
 from tlt_serve.config import (
     SPEC_METHODS,
     CacheConfig,
@@ -40,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     serve = sub.add_parser("serve", help="serve a model over HTTP (SGLang-native + OpenAI APIs)")
     serve.add_argument("--model", default=DEFAULT_MODEL,
                        help="named default, HF directory, .gguf file or hub id")
+    serve.add_argument("--backend", choices=BACKENDS, default=EngineConfig.backend,
+                       help="the engine: native (the own engine, CPU) or vllm (vLLM's engine: "
+                       f"GPU, or its CPU build; install it with {VLLM_INSTALL})")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -123,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 sample_rate=args.capture_sample_rate,
             ),
             seed=args.seed,
+            backend=args.backend,
         ),
         training=TrainingConfig(
             enabled=args.train_drafter,
@@ -144,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         config.validate()
     except ConfigError as err:
         serve.error(_with_flag(serve, str(err)))  # prints usage, exits 2
+    if (why := missing(args.backend)) is not None:
+        serve.exit(2, f"tlt-serve: {why}\n")  # one line, no usage: the flag was right
     return config
 
 

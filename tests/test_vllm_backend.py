@@ -1,0 +1,356 @@
+"""``--backend vllm`` on the real default model, fp32 (vLLM's CPU build): the same routes over
+vLLM's engine. Greedy tokens equal vLLM's own offline ``LLM.generate`` (our layer adds
+nothing), alone and batched; speculation on (n-gram, our drafter through vLLM's EAGLE) equals
+off; target weight updates by every path change outputs exactly as a fresh start on the new
+weights would and bump the version; malformed ones are refused and the old weights keep
+serving; drafter hot-swap under load; what vLLM cannot honour is a 400 naming the field and
+the backend; a dead engine core turns into 503s.
+
+Needs vLLM (``bash scripts/install.sh --vllm``); skipped without it, except where
+``TLT_REQUIRE_VLLM=1`` (CI) makes its absence a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.real_drafter import fit_drafter
+from tests.test_server_harness import Served, serve, wait_for
+from tlt_serve import LLM, SamplingParams
+from tlt_serve.backends.vllm.engine import kv_cache_bytes
+from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
+from tlt_serve.models.provision import resolve_model_path
+
+# find_spec, not an import: importing vllm changes this process's environment.
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+if not HAVE_VLLM and os.environ.get("TLT_REQUIRE_VLLM") != "1":
+    pytest.skip("vLLM is not installed (bash scripts/install.sh --vllm)", allow_module_level=True)
+
+pytestmark = pytest.mark.real_model
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 256
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "List the first ten prime numbers.",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in one paragraph.",
+    "1, 2, 3, 4, 5,",
+]
+LENGTHS = [24, 32, 16, 28, 20, 32]
+
+
+def greedy(n: int) -> dict:
+    return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return resolve_model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[list[int]]:
+    from tlt_serve.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def new_weights(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model with every tensor nudged: other greedy outputs."""
+    out = tmp_path_factory.mktemp("nudged")
+    for f in model_dir.iterdir():
+        if f.suffix in (".json", ".jinja"):
+            (out / f.name).write_bytes(f.read_bytes())
+    g = torch.Generator().manual_seed(0)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    save_file({k: v + 0.02 * v.std() * torch.randn(v.shape, generator=g) for k, v in
+               tensors.items()}, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir: Path, new_weights: Path, prompts, tmp_path_factory) -> dict[str, list]:
+    """vLLM's own offline greedy outputs on the served and the nudged weights."""
+    cfg = EngineConfig(model=ModelConfig(dtype="float32", max_model_len=MAX_MODEL_LEN),
+                       cache=CacheConfig(max_num_seqs=8))
+    job = {"models": [str(model_dir), str(new_weights)], "prompts": prompts,
+           "max_tokens": LENGTHS, "dtype": "float32", "max_model_len": MAX_MODEL_LEN,
+           "max_num_seqs": 8, "kv_bytes": kv_cache_bytes(model_dir, cfg, 1024)}
+    path = tmp_path_factory.mktemp("job") / "job.json"
+    path.write_text(json.dumps(job))
+    run = subprocess.run([sys.executable, "-m", "tests.vllm_offline", str(path)], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out: dict[str, list] = json.loads(run.stdout.strip().splitlines()[-1])
+    return {"served": out[str(model_dir)], "nudged": out[str(new_weights)]}
+
+
+def start(model_dir: Path, **engine_kw) -> Served:
+    return serve(model_dir, backend="vllm", **engine_kw)
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir: Path) -> Iterator[Served]:
+    s = start(model_dir)
+    yield s
+    s.stop()
+
+
+def generate(s: Served, prompts: list[list[int]], lengths: list[int], **extra) -> list[dict]:
+    with s.http(timeout=300) as http:
+        resp = http.post("/generate", json={
+            "input_ids": prompts, "sampling_params": [greedy(n) for n in lengths], **extra})
+    assert resp.status_code == 200, resp.text
+    out: list[dict] = resp.json()
+    return out
+
+
+def ids(outs: list[dict]) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
+
+
+def test_greedy_equals_vllm_offline_alone_and_batched(plain: Served, prompts, offline) -> None:
+    batched = generate(plain, prompts, LENGTHS)
+    assert ids(batched) == offline["served"]
+    alone = [generate(plain, [p], [n])[0] for p, n in zip(prompts, LENGTHS, strict=True)]
+    assert ids(alone) == offline["served"]
+    for o in batched:
+        assert o["meta_info"]["weight_version"] == "0"
+        assert o["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_logprobs_are_the_targets(plain: Served, prompts, model_dir: Path) -> None:
+    """fp32: vLLM's logprobs of the greedy tokens equal the native engine's within float
+    noise (two implementations of one model), and top logprobs rank the emitted token first."""
+    with plain.http(timeout=300) as http:
+        out = http.post("/generate", json={
+            "input_ids": prompts[0], "sampling_params": greedy(12), "return_logprob": True,
+            "top_logprobs_num": 2}).json()
+    native = LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN).generate(
+        [prompts[0]], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True,
+                                     logprobs=True))[0].samples[0]
+    meta = out["meta_info"]
+    got = [lp for lp, _, _ in meta["output_token_logprobs"]]
+    assert out["output_ids"] == native.token_ids
+    assert got == pytest.approx(native.logprobs, abs=2e-3)
+    for (_, token, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"],
+                                  strict=True):
+        assert top[0][1] == token and len(top) == 2
+
+
+@pytest.mark.parametrize("field,value", [("top_p", 0.9), ("top_k", 5), ("min_p", 0.1)])
+def test_logprobs_of_a_truncated_distribution_are_refused(plain: Served, field, value) -> None:
+    with plain.http() as http:
+        resp = http.post("/generate", json={
+            "text": "hi", "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, field: value}})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"].endswith(field) and "backend vllm" in err["message"]
+    with plain.http() as http:  # without logprobs the same sampling is served
+        resp = http.post("/generate", json={
+            "text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 1.0,
+                                              field: value}})
+    assert resp.status_code == 200, resp.text
+
+
+def test_n_samples_seeds_and_openai(plain: Served, prompts) -> None:
+    body = {"input_ids": prompts[1], "sampling_params": {
+        "max_new_tokens": 16, "temperature": 1.0, "n": 4, "sampling_seed": 7,
+        "ignore_eos": True}}
+    with plain.http(timeout=300) as http:
+        first, again = (http.post("/generate", json=body).json() for _ in range(2))
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        chat = http.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": PROMPTS[0]}],
+            "max_tokens": 8, "temperature": 0}).json()
+    assert len(first) == 4 and ids(first) == ids(again)  # per-request seeds reproduce
+    assert len({tuple(o["output_ids"]) for o in first}) > 1  # sample i has seed 7 + i
+    assert chat["choices"][0]["finish_reason"] == "length"
+    assert chat["usage"]["completion_tokens"] == 8
+
+
+def test_abort_returns_partial_output_and_pause_modes(plain: Served, prompts) -> None:
+    with plain.http(timeout=300) as http, ThreadPoolExecutor(1) as pool:
+        long = pool.submit(http.post, "/generate", json={
+            "input_ids": prompts[0], "rid": "long", "sampling_params": greedy(200)})
+        wait_for(lambda: http.get("/get_server_info").json()["in_flight"] == 1, timeout=60)
+        assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        assert http.post("/continue_generation").status_code == 200
+        assert http.post("/abort_request", json={"rid": "long"}).status_code == 200
+        out = long.result(timeout=120).json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(out["output_ids"]) < 200
+
+
+def weights_body(path: Path) -> bytes:
+    return (path / "model.safetensors").read_bytes()
+
+
+def test_weight_updates_every_path(model_dir: Path, new_weights: Path, prompts, offline
+                                   ) -> None:
+    """Each path applies the nudged weights (outputs = vLLM started on them) and bumps the
+    version; a malformed update is refused whole and the old weights keep serving."""
+    s = start(model_dir)
+    try:
+        with s.http(timeout=300) as http:
+            bad = http.post("/update_weights_from_disk", json={"model_path": str(model_dir / "x")})
+            assert bad.status_code == 400
+            assert ids(generate(s, prompts, LENGTHS)) == offline["served"]
+            ok = http.post("/update_weights_from_disk",
+                           json={"model_path": str(new_weights), "weight_version": "v1"})
+            assert ok.status_code == 200 and ok.json()["weight_version"] == "v1", ok.text
+            outs = generate(s, prompts, LENGTHS)
+            assert ids(outs) == offline["nudged"]
+            assert {o["meta_info"]["weight_version"] for o in outs} == {"v1"}
+            # back to the served weights over HTTP (raw safetensors, one chunk)
+            up = http.post("/update_weights_from_tensor?weight_version=v2",
+                           content=weights_body(model_dir))
+            assert up.status_code == 200 and up.json()["weight_version"] == "v2", up.text
+            assert ids(generate(s, prompts, LENGTHS)) == offline["served"]
+            # a wrong shape, and half of a fused module: refused naming the tensor
+            tensors = load_file(str(new_weights / "model.safetensors"))
+            name = "model.layers.0.mlp.down_proj.weight"
+            for bad_update, word in (({name: tensors[name][:, :10].contiguous()}, "shape"),
+                                     ({"model.layers.0.self_attn.q_proj.weight":
+                                       tensors["model.layers.0.self_attn.q_proj.weight"]},
+                                      "k_proj")):
+                path = new_weights.parent / "bad.safetensors"
+                save_file(bad_update, str(path))
+                resp = http.post("/update_weights_from_tensor", content=path.read_bytes())
+                assert resp.status_code == 400 and word in resp.text, resp.text
+            assert http.get("/get_weight_version").json()["weight_version"] == "v2"
+            assert ids(generate(s, prompts, LENGTHS)) == offline["served"]
+            distributed_update(http, new_weights)
+            assert ids(generate(s, prompts, LENGTHS)) == offline["nudged"]
+            assert http.get("/get_weight_version").json()["weight_version"] == "v3"
+    finally:
+        s.stop()
+
+
+def distributed_update(http: httpx.Client, weights: Path) -> None:
+    """The trainer's half (rank 0 of a gloo group) beside the server's two calls."""
+    from benchmarks.serverproc import free_port
+    from tlt_serve.engine.weight_sync import WeightSyncGroup
+
+    port = free_port()
+    tensors = sorted(load_file(str(weights / "model.safetensors")).items())
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(http.post, "/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "backend": "gloo"})
+        group = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo")
+        assert joined.result(timeout=120).status_code == 200
+        sent = pool.submit(http.post, "/update_weights_from_distributed", json={
+            "names": [n for n, _ in tensors], "dtypes": ["float32"] * len(tensors),
+            "shapes": [list(t.shape) for _, t in tensors], "weight_version": "v3"})
+        group.send(tensors)
+        resp = sent.result(timeout=300)
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.fixture(scope="module")
+def drafters(model_dir: Path, prompts, tmp_path_factory) -> list[Path]:
+    """Two drafters fitted to the target's greedy answers (full head: vLLM drafts over the
+    whole vocabulary), trained for different lengths."""
+    llm = LLM(config=EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512),
+        cache=CacheConfig(max_num_seqs=8)))
+    answers = [o.samples[0].token_ids for o in llm.generate(
+        prompts, [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+                  for n in LENGTHS])]
+    root = tmp_path_factory.mktemp("drafters")
+    return [fit_drafter(llm, prompts, answers, root / f"d{i}", draft_vocab_size=0, steps=steps)
+            for i, steps in enumerate((150, 60))]
+
+
+@pytest.mark.parametrize("method", ["ngram", "drafter"])
+def test_speculation_on_equals_off(model_dir: Path, prompts, offline, drafters, method) -> None:
+    spec = SpecConfig(method=method, drafter=str(drafters[0]) if method == "drafter" else None,
+                      num_draft_tokens=4, max_batch=8)
+    s = start(model_dir, spec=spec)
+    try:
+        batched = generate(s, prompts, LENGTHS)
+        alone = [generate(s, [p], [n])[0] for p, n in zip(prompts, LENGTHS, strict=True)]
+        with s.http() as http:
+            info = http.get("/get_server_info").json()["engine_info"]["spec"]
+    finally:
+        s.stop()
+    assert ids(batched) == offline["served"] and ids(alone) == offline["served"]
+    assert info["proposer"] == method
+    verified = sum(o["meta_info"]["spec_verify_ct"] for o in batched + alone)
+    accepted = sum(o["meta_info"]["spec_accept_length"] * o["meta_info"]["spec_verify_ct"]
+                   for o in batched + alone)
+    assert verified > 0 and accepted > 0
+
+
+def test_drafter_hot_swap_under_load(model_dir: Path, prompts, offline, drafters) -> None:
+    """Greedy outputs never change while drafters are swapped between steps; every response
+    lists the versions that served it; a checkpoint vLLM cannot take is refused by name."""
+    spec = SpecConfig(method="drafter", drafter=str(drafters[0]), max_batch=64)
+    s = start(model_dir, spec=spec, max_num_seqs=16)
+    swaps: list[int] = []
+    done = threading.Event()
+
+    def swapper() -> None:
+        with s.http(timeout=300) as h:
+            while not done.is_set():
+                v = len(swaps) + 1
+                r = h.post("/update_drafter_from_disk",
+                           json={"path": str(drafters[v % 2]), "version": v})
+                assert r.status_code == 200 and r.json()["drafter_version"] == v, r.text
+                swaps.append(v)
+
+    try:
+        with s.http(timeout=300) as http:
+            bad = http.post("/update_drafter_from_disk", json={"path": str(model_dir)})
+            assert bad.status_code == 400 and "drafter" in bad.json()["message"]
+            with ThreadPoolExecutor(9) as pool:
+                swapping = pool.submit(swapper)
+                rounds = [pool.submit(generate, s, prompts, LENGTHS) for _ in range(8)]
+                outs = [r.result(timeout=600) for r in rounds]
+                done.set()
+                swapping.result(timeout=120)
+    finally:
+        s.stop()
+    assert len(swaps) >= 5
+    for batch in outs:
+        assert ids(batch) == offline["served"]
+        for o in batch:
+            versions = o["meta_info"]["drafter_versions"]
+            assert versions == sorted(versions)
+            assert o["meta_info"]["drafter_version"] == versions[-1]
+
+
+def test_engine_core_death_means_503(model_dir: Path) -> None:
+    import psutil
+
+    s = start(model_dir)
+    try:
+        engine = psutil.Process(s.client._proc.pid)
+        core = next(p for p in engine.children() if "EngineCore" in " ".join(
+            [p.name(), *p.cmdline()]))
+        core.kill()
+        with s.http() as http:
+            wait_for(lambda: http.get("/health").status_code == 503, timeout=60)
+            resp = http.post("/generate", json={"text": "hi", "sampling_params": greedy(4)})
+            assert resp.status_code == 503
+    finally:
+        s.stop()

@@ -1,0 +1,113 @@
+"""Drafter controls on the vLLM backend: hot-swap, info, the trainer's target feed.
+
+A drafter can be swapped only into a server that started with one (vLLM builds its EAGLE
+proposer at start). The new checkpoint is validated as natively (it must fit the target),
+exported to vLLM's EAGLE-1 form, checked against the tensors vLLM loaded at start (names and
+shapes), and reloaded in place by the worker between two engine steps; requests in flight go
+on (drafts are proposals: their outputs do not change), and the version is bumped.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tlt_serve.backends.vllm.engine import VllmSpec
+from tlt_serve.backends.vllm.weights import header
+from tlt_serve.models.arch import ArchConfig
+from tlt_serve.server.engine_weights import ControlError
+from tlt_serve.speculative.checkpoint import DrafterError, check_compatible, read_drafter_config
+from tlt_serve.speculative.export import export_vllm_eagle
+
+if TYPE_CHECKING:
+    from tlt_serve.backends.vllm.loop import VllmLoop
+
+
+class VllmDrafter:
+    def __init__(self, loop: VllmLoop, spec: VllmSpec, scratch: Path) -> None:
+        self.loop = loop
+        self.scratch = scratch
+        model_dir = Path(loop.info.model_path)
+        self.target = ArchConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
+        self.loaded: dict[str, tuple[str, tuple[int, ...]]] = {}  # what vLLM loaded at start
+        if spec.drafter_dir is not None:
+            self.loaded = header(Path(spec.drafter_dir) / "model.safetensors")
+        self.target_weight_version: str | None = None
+
+    def handlers(self) -> dict[str, Any]:
+        return {
+            "update_drafter_from_disk": self.from_disk,
+            "drafter_info": self.info,
+            "drafter_target": self.target_feed,
+            "capture_take": self.capture_take,
+        }
+
+    async def from_disk(self, path: str, version: int | None = None) -> dict[str, Any]:
+        """Never raises for a bad checkpoint: the reply says whether it was applied and which
+        drafter serves now (the route answers 400 when not)."""
+        loop = self.loop
+        try:
+            if not self.loaded:
+                raise DrafterError("the vllm backend swaps drafters only in a server started "
+                                   "with one (--speculative drafter --drafter PATH)")
+            _, arch, spec = read_drafter_config(path)
+            check_compatible(arch, spec, self.target)
+            out = Path(tempfile.mkdtemp(prefix="swap-", dir=self.scratch)) / "drafter"
+            try:
+                export_vllm_eagle(path, out)
+                self._check_tensors(header(out / "model.safetensors"))
+                async with loop.weights_lock:
+                    await loop.rpc("tlt_load_drafter", files=[str(out / "model.safetensors")])
+            finally:
+                import shutil
+
+                shutil.rmtree(out.parent, ignore_errors=True)
+        except (DrafterError, ControlError) as err:
+            return {"success": False, "message": str(err),
+                    "drafter_version": loop.drafter_version}
+        loop.drafter_version = version if version is not None else spec.version
+        self.target_weight_version = spec.target_weight_version
+        return {"success": True, "message": f"serving drafter version {loop.drafter_version}",
+                "drafter_version": loop.drafter_version}
+
+    def _check_tensors(self, new: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+        if new.keys() != self.loaded.keys():
+            extra = sorted(new.keys() - self.loaded.keys())
+            lost = sorted(self.loaded.keys() - new.keys())
+            raise DrafterError(f"drafter tensors differ from the serving drafter's: "
+                               f"unknown {extra[:3]}, missing {lost[:3]}")
+        for name, (_, shape) in new.items():
+            if shape != self.loaded[name][1]:
+                raise DrafterError(f"drafter: {name} has shape {list(shape)}, the serving "
+                                   f"drafter's is {list(self.loaded[name][1])}")
+
+    async def info(self) -> dict[str, Any]:
+        loop, stats = self.loop, self.loop.stats
+        return {
+            "drafter_version": loop.drafter_version,
+            "feature_layers": [],
+            "draft_vocab_size": None if loop.drafter_version is None else 0,
+            "target_weight_version": self.target_weight_version,
+            "weight_version": loop.version,
+            "recent_accept_length": round(stats.engine.recent_accept_length, 4),
+            "recent_verify_steps": len(stats.engine.recent_spec),
+            "capture": {"enabled": False, "samples": 0, "tokens": 0, "bytes": 0,
+                        "max_bytes": 0, "captured": 0, "evicted": 0, "skipped": 0},
+        }
+
+    async def target_feed(self) -> dict[str, Any]:
+        """The target's embedding, final norm and head (and config), as the native engine
+        sends them to the trainer, written by the worker from the weights it serves."""
+        path = self.scratch / "target.safetensors"
+        config = (Path(self.loop.info.model_path) / "config.json").read_text()
+        try:
+            await self.loop.rpc("tlt_save_target", path=str(path),
+                                meta={"config": config, "weight_version": self.loop.version})
+            return {"data": path.read_bytes(), "weight_version": self.loop.version}
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def capture_take(self, after: int = 0, max_bytes: int = 64 << 20) -> dict[str, Any]:
+        raise ControlError("capture is off (start the server with --capture)")

@@ -1,0 +1,108 @@
+"""The engine's counters on vLLM, as the native engine keeps them for ``/metrics``.
+
+vLLM reports, for each batch of outputs its engine core sends, the scheduler's state (running
+and waiting requests, the step's speculation counts) and the iteration's token counts, to
+stat loggers in this process. ``LoopStats`` is such a logger: it feeds the same
+``EngineStats`` the native engine fills (speculation per batch-size bucket included). One
+vLLM iteration may mix prefill chunks and decoding; it counts as a prefill step when it took
+prompt tokens and as a decode step when it generated tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from tlt_serve.engine.stats import STEP_BUCKETS, EngineStats, SpecCounts
+from tlt_serve.server.messages import StatsSnapshot
+from tlt_serve.speculative.policy import bucket_name, bucket_of
+
+if TYPE_CHECKING:
+    from tlt_serve.backends.vllm.loop import VllmLoop
+
+
+class LoopStats:
+    def __init__(self) -> None:
+        self.engine = EngineStats()
+        self.running = 0
+        self.waiting = 0
+        self.last_iteration: float | None = None
+        self.capture_samples = 0
+        self.capture_bytes = 0
+
+    def logger_factory(self) -> Any:
+        """A vLLM stat-logger factory whose loggers record into this object."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any,
+                       mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+                stats.record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger
+
+    def record(self, scheduler: Any, iteration: Any) -> None:
+        s = self.engine
+        if scheduler is not None:
+            self.running, self.waiting = scheduler.num_running_reqs, scheduler.num_waiting_reqs
+            spec = scheduler.spec_decoding_stats
+            if spec is not None and spec.num_drafts:
+                counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+                s.spec.add(*counts)
+                name = bucket_name(bucket_of(max(scheduler.num_running_reqs, 1)))
+                s.spec_by_bucket.setdefault(name, SpecCounts()).add(*counts)
+                s.recent_spec.append((spec.num_accepted_tokens, spec.num_drafts))
+        if iteration is not None:
+            s.generated_tokens += iteration.num_generation_tokens
+            s.prompt_tokens += iteration.num_prompt_tokens
+            if iteration.num_prompt_tokens:
+                s.prefill_steps += 1
+            if iteration.num_generation_tokens:
+                s.decode_steps += 1
+                s.decode_batch_size = self.running
+            now = iteration.iteration_timestamp
+            if self.last_iteration is not None:
+                s.step_time.observe(now - self.last_iteration)
+            self.last_iteration = now
+
+    def on_add(self, n: int) -> None:
+        self.engine.requests += n
+
+    def idle(self) -> None:
+        """No request in flight: the next iteration's gap is not a step time."""
+        self.last_iteration = None
+
+    def snapshot(self, loop: VllmLoop) -> StatsSnapshot:
+        s = self.engine
+        return StatsSnapshot(
+            requests=s.requests,
+            prompt_tokens=s.prompt_tokens,
+            generated_tokens=s.generated_tokens,
+            prefill_steps=s.prefill_steps,
+            decode_steps=s.decode_steps,
+            running=self.running if loop.samples else 0,
+            waiting=self.waiting if loop.samples else 0,
+            max_num_seqs=loop.info.max_num_seqs,
+            batch_size=s.decode_batch_size,
+            step_buckets=STEP_BUCKETS,
+            step_counts=tuple(s.step_time.counts),
+            step_sum=s.step_time.total,
+            step_count=s.step_time.n,
+            weight_version=loop.version,
+            paused=loop.paused,
+            spec=dataclasses.replace(s.spec),
+            spec_by_bucket={k: dataclasses.replace(v) for k, v in s.spec_by_bucket.items()},
+            recent_accept_length=s.recent_accept_length,
+            drafter_version=loop.drafter_version,
+            capture_samples=self.capture_samples,
+            capture_bytes=self.capture_bytes,
+        )
+
