@@ -23,8 +23,9 @@ def fit_drafter(
     llm: LLM, prompts: list[list[int]], answers: list[list[int]], out: Path,
     draft_vocab_size: int = 2048, steps: int = 150,
 ) -> Path:
-    """Train a drafter on ``answers`` (the target's, to ``prompts``) and save it to ``out``.
-    ``draft_vocab_size`` 0 keeps the full head (as vLLM's EAGLE drafts)."""
+    """Train a drafter on ``answers`` (the target's, to ``prompts``) for ``steps`` steps
+    (0: an untrained one) and save it to ``out``. ``draft_vocab_size`` 0 keeps the full head
+    (as vLLM's EAGLE drafts)."""
     model = llm.engine.model
     seqs = [p + r for p, r in zip(prompts, answers, strict=True)]
     samples = make_samples(prompts, answers, target_features(model, seqs, 4096))
@@ -36,8 +37,9 @@ def fit_drafter(
             d.draft_vocab.copy_(build_draft_vocab(answers, prompts, draft_vocab_size,
                                                   model.cfg.vocab_size))
     d.refresh_head()
-    cfg = TrainConfig(steps=steps, batch_tokens=512, row_len=128, lr=3e-3, warmup_steps=5,
-                      eval_every=0)
-    train(d, samples, [], cfg, seed=0)
+    if steps:
+        cfg = TrainConfig(steps=steps, batch_tokens=512, row_len=128, lr=3e-3,
+                          warmup_steps=5, eval_every=0)
+        train(d, samples, [], cfg, seed=0)
     hf = json.loads((llm.engine.model_path / "config.json").read_text())
     return save_drafter(d, out, hf, spec)

@@ -31,7 +31,7 @@ from tests.real_drafter import fit_drafter
 from tests.test_server_harness import Served, serve, wait_for
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.backends.vllm.engine import kv_cache_bytes
-from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
+from tlt_serve.config import CacheConfig, CaptureConfig, EngineConfig, ModelConfig, SpecConfig
 from tlt_serve.models.provision import resolve_model_path
 
 # find_spec, not an import: importing vllm changes this process's environment.
@@ -268,8 +268,8 @@ def distributed_update(http: httpx.Client, weights: Path) -> None:
 
 @pytest.fixture(scope="module")
 def drafters(model_dir: Path, prompts, tmp_path_factory) -> list[Path]:
-    """Two drafters fitted to the target's greedy answers (full head: vLLM drafts over the
-    whole vocabulary), trained for different lengths."""
+    """Drafters for the target (full head: vLLM drafts over the whole vocabulary): two
+    fitted to its greedy answers for different lengths, and an untrained one."""
     llm = LLM(config=EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512),
         cache=CacheConfig(max_num_seqs=8)))
@@ -278,7 +278,7 @@ def drafters(model_dir: Path, prompts, tmp_path_factory) -> list[Path]:
                   for n in LENGTHS])]
     root = tmp_path_factory.mktemp("drafters")
     return [fit_drafter(llm, prompts, answers, root / f"d{i}", draft_vocab_size=0, steps=steps)
-            for i, steps in enumerate((150, 60))]
+            for i, steps in enumerate((150, 60, 0))]
 
 
 @pytest.mark.parametrize("method", ["ngram", "drafter"])
@@ -354,3 +354,65 @@ def test_engine_core_death_means_503(model_dir: Path) -> None:
             assert resp.status_code == 503
     finally:
         s.stop()
+
+
+def test_capture_feeds_the_online_trainer_which_vllm_then_serves(
+    model_dir: Path, prompts, drafters, tmp_path: Path
+) -> None:
+    """Capture keeps what vLLM hands its EAGLE drafter: for every captured position the
+    target's final hidden state, equal (fp32, within float noise) to the native engine's
+    teacher-forced feature of the same tokens. The online trainer trains on them while the
+    server is idle, publishes a drafter that beats the served one, and vLLM serves it: the
+    same prompts accept more of its drafts than of the untrained one it started from."""
+    from tlt_serve.capture import decode_samples
+    from trainer.data import target_features
+    from trainer.link import ServerLink
+    from trainer.online import OnlineConfig, OnlineTrainer
+
+    spec = SpecConfig(method="drafter", drafter=str(drafters[2]), max_batch=64)
+    s = start(model_dir, spec=spec, capture=CaptureConfig(enabled=True), max_num_seqs=16)
+    try:
+        before = generate(s, prompts, LENGTHS)
+        with s.http(timeout=300) as http:
+            for _ in range(2):
+                http.post("/generate", json={"input_ids": prompts, "sampling_params": {
+                    "max_new_tokens": 32, "temperature": 1.0, "n": 2, "ignore_eos": True}})
+            blob = wait_for(lambda: (r := http.get("/drafter/samples")).headers["x-count"] != "0"
+                            and r.content, timeout=30)
+        samples = decode_samples(blob)
+        native = LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN)
+        for got in samples[:6]:
+            # A sample starts where vLLM began computing (earlier prompt blocks were prefix-
+            # cache hits): find its prompt, run the whole sequence, compare the kept part.
+            kept = got.tokens.tolist()
+            prompt = next(p for p in prompts if len(p) >= got.prompt_len
+                          and p[len(p) - got.prompt_len:] == kept[:got.prompt_len])
+            skip = len(prompt) - got.prompt_len
+            full = prompt[:skip] + kept
+            want = target_features(native.engine.model, [full], 4096)[0][skip:]
+            assert got.features.shape == want.shape
+            assert torch.allclose(got.features, want, atol=2e-3), (got.features - want).abs().max()
+        cfg = OnlineConfig(server=s.base_url, state_dir=str(tmp_path / "state"),
+                           init=str(drafters[2]), min_train_tokens=256, pull_every_s=0.0,
+                           report_every_s=0.0)
+        trainer = OnlineTrainer(cfg, ServerLink(s.base_url))
+        for _ in range(600):
+            if trainer.published_version > 0:
+                break
+            trainer.tick()
+        assert trainer.published_version > 0, trainer.verdict
+        after = generate(s, prompts, LENGTHS)
+        with s.http() as http:
+            info = http.get("/get_drafter_info").json()
+    finally:
+        s.stop()
+    assert info["drafter_version"] == trainer.published_version
+    assert ids(after) == ids(before)  # drafts change, outputs never
+    assert {o["meta_info"]["drafter_version"] for o in after} == {trainer.published_version}
+
+    def accepted(outs: list[dict]) -> float:
+        return sum(o["meta_info"]["spec_accept_length"] * o["meta_info"]["spec_verify_ct"]
+                   for o in outs) / sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+
+    print(f"accept length before {accepted(before):.3f}, after {accepted(after):.3f}")
+    assert accepted(after) > accepted(before) + 0.1

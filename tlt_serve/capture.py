@@ -101,8 +101,7 @@ class CaptureBuffer:
             return
         for req, feats in committed:
             if req.rid not in self._live:
-                drawn = self._rng.random() < self.config.sample_rate
-                self._live[req.rid] = _Live(weight_version) if drawn else None
+                self._live[req.rid] = _Live(weight_version) if self.draw() else None
             live = self._live[req.rid]
             if live is None:
                 continue
@@ -116,21 +115,13 @@ class CaptureBuffer:
                 continue
             live = self._live.pop(req.rid)
             if live is None or live.mixed or not live.chunks:
-                self._skipped += 1
+                self.skip()
                 continue
             feats = torch.cat(live.chunks) if len(live.chunks) > 1 else live.chunks[0]  # [L, F]
             ids = req.prompt_ids + req.output_ids
             L = min(feats.shape[0], len(ids))
-            self._add(
-                TrainingSample(
-                    seq=self._seq + 1,
-                    tokens=torch.tensor(ids[:L], dtype=torch.long),
-                    features=feats[:L],
-                    prompt_len=len(req.prompt_ids),
-                    weight_version=live.weight_version,
-                    drafter_version=drafter_version,
-                )
-            )
+            self.add(torch.tensor(ids[:L], dtype=torch.long), feats[:L], len(req.prompt_ids),
+                     live.weight_version, drafter_version)
 
     def release(self, reqs: Iterable[Request]) -> None:
         """Forget aborted requests."""
@@ -138,6 +129,25 @@ class CaptureBuffer:
             if req.rid in self._live:
                 self._live.pop(req.rid)
                 self._skipped += 1
+
+    def draw(self) -> bool:
+        """Whether a sequence starting now is kept (``sample_rate``; one seeded draw)."""
+        return self._rng.random() < self.config.sample_rate
+
+    def skip(self) -> None:
+        """Count a sequence that was not kept (not drawn, aborted, mixed, incomplete)."""
+        self._skipped += 1
+
+    def add(
+        self, tokens: torch.Tensor, features: torch.Tensor, prompt_len: int,
+        weight_version: str, drafter_version: int | None,
+    ) -> TrainingSample:
+        """Keep one finished sequence (``tokens`` [L], ``features`` [L, F]) as the next
+        sample, evicting the oldest past ``max_bytes``."""
+        sample = TrainingSample(self._seq + 1, tokens, features, prompt_len, weight_version,
+                                drafter_version)
+        self._add(sample)
+        return sample
 
     def _add(self, sample: TrainingSample) -> None:
         self._seq = sample.seq

@@ -180,9 +180,11 @@ class EngineConfig:
             # What vLLM's engine cannot do, refused rather than ignored.
             if self.spec.tree_topk > 1:
                 raise ConfigError("tree_topk: vLLM's EAGLE drafts chains (backend vllm)")
-            if self.capture.enabled:
-                raise ConfigError("capture: not available on backend vllm (no drafter "
-                                  "training samples from vLLM's engine)")
+            if self.capture.enabled and not (self.spec.drafter
+                                             and self.spec.method in ("drafter", "auto")):
+                raise ConfigError("capture: on backend vllm it needs a drafter "
+                                  "(--speculative drafter/auto --drafter PATH): the samples' "
+                                  "features are what vLLM hands its EAGLE drafter")
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()

@@ -112,6 +112,7 @@ class OnlineTrainer:
         self.stop = threading.Event()
         self._resume_opt: dict[str, Any] | None = None
         self.resumed_from: tuple[str, int] | None = None  # (checkpoint, its step)
+        self.fresh = False  # a new drafter, not a given or resumed one: it may be sliced
         target = link.target()
         self.stub = head_stub(target.cfg, target.tensors, max_positions=1 << 14)
         self.target_version = target.weight_version
@@ -149,6 +150,9 @@ class OnlineTrainer:
             spec = DrafterSpec(feature_layers=layers, draft_vocab_size=0)
             drafter = new_drafter(self.stub, spec, self.cfg.seed)
             self.published_version = int(info.get("drafter_version") or 0)
+            # A sliced draft head only where the server drafts with one (vLLM drafts over
+            # the whole vocabulary whatever the checkpoint holds).
+            self.fresh = bool(info.get("sliced_head", True))
         drafter.refresh_head()
         return drafter.float().requires_grad_(True).train()
 
@@ -234,7 +238,8 @@ class OnlineTrainer:
     # ---- training ----------------------------------------------------------------------
     def _micro_step(self) -> bool:
         """One micro-batch forward + backward; True when it completed an optimizer step."""
-        if self.drafter.spec.draft_vocab_size == 0 and self.cfg.draft_vocab_size and not self.step:
+        if self.fresh and self.cfg.draft_vocab_size and not self.step:
+            self.fresh = False
             self._slice_vocab()
         batch = self.store.draw_batch(self.cfg.rows, self.cfg.row_len, self.rng)
         if batch is None:

@@ -49,6 +49,7 @@ class DrafterControls:
             "drafter_version": spec.drafter_version,
             "feature_layers": list(spec.feature_layers),
             "draft_vocab_size": None if drafter is None else drafter.spec.draft_vocab_size,
+            "sliced_head": True,  # a checkpoint's draft_vocab restricts the drafts
             "target_weight_version": None
             if drafter is None
             else drafter.spec.target_weight_version,

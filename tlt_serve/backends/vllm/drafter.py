@@ -9,6 +9,7 @@ on (drafts are proposals: their outputs do not change), and the version is bumpe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -16,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from tlt_serve.backends.vllm.engine import VllmSpec
 from tlt_serve.backends.vllm.weights import header
+from tlt_serve.capture import CaptureBuffer, encode_samples
+from tlt_serve.config import CaptureConfig
 from tlt_serve.models.arch import ArchConfig
+from tlt_serve.server.engine_drafter import MAX_TAKE_BYTES
 from tlt_serve.server.engine_weights import ControlError
 from tlt_serve.speculative.checkpoint import DrafterError, check_compatible, read_drafter_config
 from tlt_serve.speculative.export import export_vllm_eagle
@@ -89,13 +93,17 @@ class VllmDrafter:
             "drafter_version": loop.drafter_version,
             "feature_layers": [],
             "draft_vocab_size": None if loop.drafter_version is None else 0,
+            "sliced_head": False,  # vLLM's EAGLE drafts over the whole vocabulary
             "target_weight_version": self.target_weight_version,
             "weight_version": loop.version,
             "recent_accept_length": round(stats.engine.recent_accept_length, 4),
             "recent_verify_steps": len(stats.engine.recent_spec),
-            "capture": {"enabled": False, "samples": 0, "tokens": 0, "bytes": 0,
-                        "max_bytes": 0, "captured": 0, "evicted": 0, "skipped": 0},
+            "capture": dataclasses.asdict(self.buffer().stats()),
         }
+
+    def buffer(self) -> CaptureBuffer:
+        capture = self.loop.capture
+        return capture.buffer if capture is not None else CaptureBuffer(CaptureConfig())
 
     async def target_feed(self) -> dict[str, Any]:
         """The target's embedding, final norm and head (and config), as the native engine
@@ -110,4 +118,16 @@ class VllmDrafter:
             path.unlink(missing_ok=True)
 
     async def capture_take(self, after: int = 0, max_bytes: int = 64 << 20) -> dict[str, Any]:
-        raise ControlError("capture is off (start the server with --capture)")
+        capture = self.loop.capture
+        if capture is None:
+            raise ControlError("capture is off (start the server with --capture)")
+        if after < 0 or max_bytes < 1:
+            raise ControlError("after: must be >= 0 and max_bytes >= 1")
+        await capture.fetch()  # what finished by now
+        samples = capture.buffer.take(after, min(max_bytes, MAX_TAKE_BYTES))
+        return {
+            "data": encode_samples(samples),
+            "count": len(samples),
+            "last_seq": samples[-1].seq if samples else after,
+            "newest_seq": capture.buffer.last_seq,
+        }

@@ -23,7 +23,8 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tlt_serve.backends.vllm.convert import SampleState, check_params, step_output, vllm_params
 from tlt_serve.backends.vllm.stats import LoopStats
@@ -44,6 +45,9 @@ from tlt_serve.server.messages import (
     StepBatch,
 )
 
+if TYPE_CHECKING:
+    from tlt_serve.backends.vllm.capture import VllmCapture
+
 log = logging.getLogger("tlt_serve.vllm")
 RPC_TIMEOUT_S = 600.0  # vLLM does not fail a pending collective_rpc when its engine dies
 FLUSH_S = 0.005  # outputs gathered this long go out as one StepBatch
@@ -53,9 +57,13 @@ Handler = Callable[..., Awaitable[dict[str, Any]]]
 
 
 class VllmLoop:
-    def __init__(self, llm: Any, conn: Any, info: EngineInfo, stats: LoopStats) -> None:
+    def __init__(
+        self, llm: Any, conn: Any, info: EngineInfo, stats: LoopStats, scratch: Path
+    ) -> None:
         self.llm = llm
         self.conn = conn
+        self.scratch = scratch  # files exchanged with vLLM's worker
+        self.capture: VllmCapture | None = None
         self.info = info
         self.stats = stats
         self.version = info.weight_version
@@ -166,6 +174,8 @@ class VllmLoop:
         self.stats.on_add(len(subs))
         self.accepted.append(msg.rid)
         for sub, queue in zip(subs, collectors, strict=True):
+            if self.capture is not None:
+                self.capture.on_add(sub, queue.request_id, msg.prompt_ids)
             state = SampleState(sub, len(msg.prompt_ids))
             self.tasks[sub] = asyncio.create_task(
                 self._stream(msg.rid, state, queue, params.top_logprobs))
@@ -187,8 +197,10 @@ class VllmLoop:
                 finished = out.finished
                 state.saw_drafter(self.drafter_version)
                 for completion in out.outputs:
-                    self.outputs.append(
-                        step_output(state, out, completion, self.version, want_top))
+                    step = step_output(state, out, completion, self.version, want_top)
+                    self.outputs.append(step)
+                    if self.capture is not None:
+                        self.capture.on_output(state.rid, step.token_ids, step.finish)
         except EngineDeadError as err:
             self._die(f"vLLM engine core died: {err}")
         finally:

@@ -24,6 +24,7 @@ from typing import Any
 from tlt_serve.backends.vllm.engine import VllmSpec, engine_args, resolve_spec, set_cpu_env
 from tlt_serve.config import EngineConfig
 from tlt_serve.server.messages import EngineInfo, Failed, Fatal, Ready, SpecInfo
+from tlt_serve.speculative.checkpoint import read_drafter_config
 
 log = logging.getLogger("tlt_serve.vllm")
 
@@ -41,7 +42,7 @@ def run_vllm_engine(config: EngineConfig, conn: Any, log_level: str = "info") ->
             conn.send(Failed(f"backend vllm: {type(err).__name__}: {err}"))
             return
         conn.send(Ready(info))
-        asyncio.run(_serve(llm, conn, info, spec, stats, scratch))
+        asyncio.run(_serve(llm, conn, info, spec, stats, scratch, config))
     except Exception:
         log.exception("vLLM engine loop crashed")
         with contextlib.suppress(OSError):
@@ -97,16 +98,22 @@ def _start(config: EngineConfig, scratch: Path) -> tuple[Any, EngineInfo, VllmSp
 
 
 async def _serve(
-    llm: Any, conn: Any, info: EngineInfo, spec: VllmSpec, stats: Any, scratch: Path
+    llm: Any, conn: Any, info: EngineInfo, spec: VllmSpec, stats: Any, scratch: Path,
+    config: EngineConfig,
 ) -> None:
     from tlt_serve.backends.vllm.controls import BasicControls
     from tlt_serve.backends.vllm.drafter import VllmDrafter
     from tlt_serve.backends.vllm.loop import VllmLoop
     from tlt_serve.backends.vllm.weights import VllmWeights
 
-    loop = VllmLoop(llm, conn, info, stats)
+    loop = VllmLoop(llm, conn, info, stats, scratch)
     if spec.proposer == "drafter":
-        loop.drafter_version = 0
+        loop.drafter_version = read_drafter_config(config.spec.drafter or "")[2].version
+    if config.capture.enabled:
+        from tlt_serve.backends.vllm.capture import VllmCapture
+
+        loop.capture = VllmCapture(loop, config.capture, config.seed)
+        await loop.capture.start()
     loop.controls.update(BasicControls(loop).handlers())
     loop.controls.update(VllmWeights(loop, Path(info.model_path), scratch).handlers())
     loop.controls.update(VllmDrafter(loop, spec, scratch).handlers())

@@ -27,8 +27,6 @@ class LoopStats:
         self.running = 0
         self.waiting = 0
         self.last_iteration: float | None = None
-        self.capture_samples = 0
-        self.capture_bytes = 0
 
     def logger_factory(self) -> Any:
         """A vLLM stat-logger factory whose loggers record into this object."""
@@ -82,6 +80,7 @@ class LoopStats:
 
     def snapshot(self, loop: VllmLoop) -> StatsSnapshot:
         s = self.engine
+        capture = loop.capture.buffer.stats() if loop.capture is not None else None
         return StatsSnapshot(
             requests=s.requests,
             prompt_tokens=s.prompt_tokens,
@@ -102,7 +101,7 @@ class LoopStats:
             spec_by_bucket={k: dataclasses.replace(v) for k, v in s.spec_by_bucket.items()},
             recent_accept_length=s.recent_accept_length,
             drafter_version=loop.drafter_version,
-            capture_samples=self.capture_samples,
-            capture_bytes=self.capture_bytes,
+            capture_samples=capture.samples if capture is not None else 0,
+            capture_bytes=capture.bytes if capture is not None else 0,
         )
 

@@ -83,3 +83,61 @@ class TltWorker:
             tensors["lm_head.weight"] = model.lm_head.weight
         save_file({k: v.detach().float().contiguous() for k, v in tensors.items()}, path,
                   metadata=meta)
+
+    # ---- capture: the target features vLLM hands its EAGLE drafter --------------------------
+    def tlt_capture_start(self) -> bool:
+        """Keep, per request, the target's final hidden state of every position it commits,
+        as vLLM passes them to its EAGLE drafter each step (prefill chunks whole; of a verify
+        step's [last token, drafts] only the accepted prefix): the drafter's own inputs, at
+        no extra compute. False when no EAGLE drafter runs (nothing to hook)."""
+        drafter = getattr(self.model_runner, "drafter", None)
+        if drafter is None or not hasattr(drafter, "propose"):
+            return False
+        self._tlt_segments: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        propose = drafter.propose
+
+        def capturing(**kw: Any) -> Any:
+            self._tlt_keep(kw)
+            return propose(**kw)
+
+        drafter.propose = capturing
+        return True
+
+    def _tlt_keep(self, kw: dict[str, Any]) -> None:
+        starts = kw["common_attn_metadata"].query_start_loc_cpu.tolist()  # [R + 1]
+        rejected = kw.get("num_rejected_tokens_gpu")
+        rejected = [0] * len(starts) if rejected is None else rejected.cpu().tolist()
+        hidden = kw["target_hidden_states"].detach().cpu()  # [T, H]
+        tokens = kw["target_token_ids"].detach().cpu()  # [T]
+        positions = kw["target_positions"].detach().cpu()  # [T]
+        for r, rid in enumerate(self.model_runner.input_batch.req_ids[: len(starts) - 1]):
+            a, keep = starts[r], starts[r + 1] - starts[r] - rejected[r]
+            if keep > 0:
+                self._tlt_segments.setdefault(rid, []).append(
+                    (int(positions[a]), tokens[a:a + keep].clone(), hidden[a:a + keep].clone()))
+
+    def tlt_capture_take(self, rids: list[str], path: str) -> list[str]:
+        """Write the kept positions of the finished requests ``rids`` to ``path`` (per
+        request i: ``i.start`` the first position, ``i.tokens`` [m], ``i.features`` [m, H];
+        only requests whose positions are contiguous) and forget them; returns the rids
+        written, in their order."""
+        from safetensors.torch import save_file
+
+        out: dict[str, torch.Tensor] = {}
+        written: list[str] = []
+        for rid in rids:
+            segments = sorted(self._tlt_segments.pop(rid, []), key=lambda s: s[0])
+            if not segments or any(s[0] + len(s[1]) != t[0]
+                                   for s, t in zip(segments, segments[1:], strict=False)):
+                continue
+            i = len(written)
+            out[f"{i}.start"] = torch.tensor([segments[0][0]])
+            out[f"{i}.tokens"] = torch.cat([s[1] for s in segments])
+            out[f"{i}.features"] = torch.cat([s[2] for s in segments])
+            written.append(rid)
+        save_file(out, path)
+        return written
+
+    def tlt_capture_drop(self, rids: list[str]) -> None:
+        for rid in rids:
+            self._tlt_segments.pop(rid, None)
