@@ -6,7 +6,7 @@ reference; (2) speculating with a drafter (at every batch size) while a swapper 
 versions. Every request of (2) must succeed, be well-formed, report versions that exist,
 and produce exactly the tokens of (1).
 
-    python -m benchmarks.hot_swap_load --drafters A,B --requests 200
+    python -m benchmarks.hot_swap_load --drafters A,B --requests 200 [--backend vllm]
 """
 
 from __future__ import annotations
@@ -111,15 +111,21 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--out", default="benchmarks/results/hot_swap_load.json")
+    ap.add_argument("--backend", choices=["native", "vllm"], default="native",
+                    help="the engine of both servers")
+    ap.add_argument("--out", default=None,
+                    help="default: benchmarks/results/hot_swap_load[_vllm].json")
     args = ap.parse_args()
+    if args.out is None:
+        suffix = "" if args.backend == "native" else f"_{args.backend}"
+        args.out = f"benchmarks/results/hot_swap_load{suffix}.json"
     drafters = [str(Path(d).expanduser().resolve()) for d in args.drafters.split(",")]
     if len(drafters) != 2:
         ap.error("--drafters: give two checkpoints")
     tok = load_tokenizer(resolve_model_path(args.model))
     prompts = [tok.apply_chat_template(chat_messages(i)) for i in range(args.requests)]
     common = ["--model", args.model, "--dtype", "float32", "--max-num-seqs",
-              str(args.max_num_seqs), "--max-model-len", "1024"]
+              str(args.max_num_seqs), "--max-model-len", "1024", "--backend", args.backend]
     t0 = time.perf_counter()
     with running_server(common) as url:
         ref = asyncio.run(fire(url, prompts, args.new_tokens, "plain"))

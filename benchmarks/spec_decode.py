@@ -11,11 +11,23 @@ only while at most ``max_batch`` sequences run.
 
     python -m benchmarks.spec_decode --drafter ~/.cache/tlt-serve/drafters/smollm2-135m \\
         --out benchmarks/results/spec_decode.json
+
+``--backends native,vllm`` (or ``--http``) measures through the servers instead, every
+backend the same way (benchmarks/spec_served.py): for each backend and method (``--methods``
+off, ngram, drafter) a fresh ``tlt-serve serve --backend B``, one ``/generate`` call of B
+prompts per batch size, speedups against the same backend's ``off``, native / vLLM ``off``,
+and with ``--vllm-serve`` our vLLM backend against plain ``vllm serve``:
+
+    python -m benchmarks.spec_decode --backends native,vllm --methods off,ngram,drafter \\
+        --drafter ~/.cache/tlt-serve/drafters/smollm2-135m --vllm-serve --repeats 3 \\
+        --out benchmarks/results/spec_decode_backends.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,7 +36,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks import report
+from benchmarks import report, spec_served
 from benchmarks.prompts import chat_messages
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
@@ -79,9 +91,37 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=SpecConfig.max_batch)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (in-process only)")
+    ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/"
+                    "spec_decode.json, served: spec_decode_backends.json)")
+    served = ap.add_argument_group("served (backend against backend)")
+    served.add_argument("--backends", default="native",
+                        help="comma-separated, from native,vllm; native alone (default): "
+                        "in-process engines as above; with vllm: every backend through its "
+                        "server")
+    served.add_argument("--http", action="store_true",
+                        help="measure through the servers even for native alone")
+    served.add_argument("--methods", default=None,
+                        help="served: from off,ngram,drafter (default: off,ngram and drafter "
+                        "with --drafter)")
+    served.add_argument("--max-model-len", type=int, default=1024)
+    served.add_argument("--served-max-batch", type=int, default=None, metavar="N",
+                        help="served: speculate while at most N sequences run (default: the "
+                        "largest batch, i.e. always); e.g. 8 measures what tail-only "
+                        "speculation costs at larger batches")
+    served.add_argument("--vllm-serve", action="store_true",
+                        help="also measure plain `vllm serve` (needs vllm in --backends)")
+    served.add_argument("--vllm-serve-batches", default=None,
+                        help="its batch sizes (default: the smallest and largest of --batches)")
+    served.add_argument("--vllm-serve-args", default="",
+                        help="extra `vllm serve` flags, one string (default: vLLM's own "
+                        "defaults, torch.compile on a CPU; our vLLM backend runs eager with "
+                        "32-token blocks: '--enforce-eager --block-size 32' is like for like)")
     args = ap.parse_args()
+    if served_mode(ap, args):
+        main_served(args)
+        return
+    args.out = args.out or "benchmarks/results/spec_decode.json"
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     rows = max(batches)
@@ -151,11 +191,116 @@ def main() -> None:
         # Median tokens/s per batch-size bucket and strategy, as the adaptive policy measured
         # them: where it chose to speculate, and with what.
         "adaptive_policy": llms["adaptive"].engine.spec.policy.table(),
-        "command": "python -m benchmarks.spec_decode "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "command": command(args),
     }
     print(json.dumps(results, indent=2))
     report.write(result, args.out, plot)
+
+
+SERVED_ONLY = ("backends", "http", "methods", "max_model_len", "vllm_serve",
+               "vllm_serve_batches", "vllm_serve_args")
+IN_PROCESS_ONLY = ("max_batch", "threads")
+
+
+def command(args: argparse.Namespace, skip: tuple[str, ...] = SERVED_ONLY) -> str:
+    """The command line that measures the same again (the options of the other mode left
+    out)."""
+    parts = []
+    for k, v in vars(args).items():
+        if k in skip or v is None or v is False:
+            continue
+        flag = f"--{k.replace('_', '-')}"
+        if v is True:
+            parts.append(flag)
+        elif isinstance(v, list):
+            parts.append(f"{flag} {','.join(map(str, v))}")
+        else:
+            parts.append(f"{flag} {shlex.quote(str(v))}" if str(v) else "")
+    return "python -m benchmarks.spec_decode " + " ".join(p for p in parts if p)
+
+
+def served_mode(ap: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
+    """Whether to measure through the servers; checks and normalises the served options
+    (``ap.error`` before minutes of servers, not after). The in-process defaults of the
+    served-only options are left as they were."""
+    backends = [b for b in args.backends.split(",") if b]
+    for b in backends:
+        if b not in spec_served.BACKENDS:
+            ap.error(f"--backends: unknown {b!r} (from {','.join(spec_served.BACKENDS)})")
+    if not backends:
+        ap.error("--backends: none given")
+    if backends == ["native"] and not args.http:
+        for flag, value in (("--methods", args.methods), ("--vllm-serve", args.vllm_serve),
+                            ("--vllm-serve-batches", args.vllm_serve_batches)):
+            if value:
+                ap.error(f"{flag}: only through the servers (--backends with vllm, or --http)")
+        return False
+    from tlt_serve.backends import missing
+
+    if "vllm" in backends and (why := missing("vllm")):
+        ap.error(why)
+    if args.vllm_serve and "vllm" not in backends:
+        ap.error("--vllm-serve: compares with our vLLM backend; add vllm to --backends")
+    methods = [m for m in (args.methods or "").split(",") if m] or (
+        ["off", "ngram"] + (["drafter"] if args.drafter else []))
+    for m in methods:
+        if m not in spec_served.METHODS:
+            ap.error(f"--methods: unknown {m!r} (from {','.join(spec_served.METHODS)})")
+    if "off" not in methods:
+        ap.error("--methods: needs off (every speedup is against the same backend's off)")
+    if "drafter" in methods and not args.drafter:
+        ap.error("--methods drafter: needs --drafter (a tlt-train warmup checkpoint)")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    serve = args.vllm_serve_batches
+    args.vllm_serve_batches = ([int(b) for b in serve.split(",")] if serve
+                               else sorted({min(args.batches), max(args.batches)}))
+    if args.vllm_serve and not set(args.vllm_serve_batches) <= set(args.batches):
+        ap.error("--vllm-serve-batches: each must be one of --batches (it is compared there)")
+    args.backends, args.methods = backends, list(dict.fromkeys(methods))
+    args.out = args.out or "benchmarks/results/spec_decode_backends.json"
+    return True
+
+
+def main_served(args: argparse.Namespace) -> None:
+    measured = spec_served.run_served(args)
+    result = {
+        "mode": "served",
+        "model": args.model,
+        "dtype": args.dtype,
+        "drafter": args.drafter,
+        "backends": args.backends,
+        "methods": args.methods,
+        "batches": args.batches,
+        "vllm_serve_batches": args.vllm_serve_batches if args.vllm_serve else None,
+        "vllm_serve_args": args.vllm_serve_args if args.vllm_serve else None,
+        "new_tokens": args.new_tokens,
+        "depth": args.depth,
+        "max_model_len": args.max_model_len,
+        "temperature": args.temperature,
+        "repeats": args.repeats,
+        "cpu_count": len(__import__("os").sched_getaffinity(0)),
+        "command": command(args, IN_PROCESS_ONLY),
+        **measured,
+    }
+    print_served(measured)
+    report.write(result, args.out, spec_served.plot)
+
+
+def print_served(measured: dict) -> None:  # type: ignore[type-arg]
+    """One line per backend x method x batch, then the cross-backend ratios."""
+    for backend, methods in measured["results"].items():
+        for method, cells in methods.items():
+            for bs, c in cells.items():
+                rng = c["speedup_range"] or [None, None]
+                print(f"{backend:>6} {method:>7} bs={bs:>3}: {c['tokens_per_s']:8.1f} tok/s  "
+                      f"speedup x{c['speedup']} [{rng[0]}, {rng[1]}]  "
+                      f"accept {c['accept_length']}  verify/seq {c['verify_ct_per_seq']}  "
+                      f"same tokens as off {c['same_tokens_as_off']}")
+    for key, label in (("native_over_vllm_off", "native / vLLM backend, off"),
+                       ("vllm_backend_over_vllm_serve", "vLLM backend (off) / vllm serve")):
+        for bs, c in measured.get(key, {}).items():
+            print(f"{label} bs={bs}: x{c['ratio']} {c['range']}, same tokens "
+                  f"{c['same_tokens']}")
 
 
 def plot(result: dict, path: Path) -> None:  # type: ignore[type-arg]
