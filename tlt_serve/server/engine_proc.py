@@ -9,7 +9,6 @@ Control messages are applied between steps, so weight swaps never race a forward
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import threading
@@ -43,6 +42,7 @@ from tlt_serve.server.messages import (
     StatsSnapshot,
     StepBatch,
     ToEngine,
+    snapshot_of,
 )
 from tlt_serve.speculative.checkpoint import DrafterError
 
@@ -300,30 +300,16 @@ class EngineLoop:
         )
 
     def snapshot(self) -> StatsSnapshot:
-        s, sched = self.engine.stats, self.engine.scheduler
-        capture = self.engine.capture.stats()
-        return StatsSnapshot(
-            requests=s.requests,
-            prompt_tokens=s.prompt_tokens,
-            generated_tokens=s.generated_tokens,
-            prefill_steps=s.prefill_steps,
-            decode_steps=s.decode_steps,
+        sched = self.engine.scheduler
+        return snapshot_of(
+            self.engine.stats,
             running=len(sched.running),
             waiting=len(sched.waiting),
             max_num_seqs=self.engine.config.cache.max_num_seqs,
-            batch_size=s.decode_batch_size,
-            step_buckets=tuple(s.step_time.buckets),
-            step_counts=tuple(s.step_time.counts),
-            step_sum=s.step_time.total,
-            step_count=s.step_time.n,
             weight_version=self.version,
             paused=self.paused,
-            spec=dataclasses.replace(s.spec),
-            spec_by_bucket={k: dataclasses.replace(v) for k, v in s.spec_by_bucket.items()},
-            recent_accept_length=s.recent_accept_length,
             drafter_version=self.engine.spec.drafter_version,
-            capture_samples=capture.samples,
-            capture_bytes=capture.bytes,
+            capture=self.engine.capture.stats(),
             spec_policy=self.engine.spec.policy.table(),
         )
 

@@ -9,11 +9,12 @@ crashes. Everything here must pickle cheaply: plain frozen dataclasses of builti
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tlt_serve.capture import CaptureStats
 from tlt_serve.engine.outputs import StepOutput
-from tlt_serve.engine.stats import SpecCounts
+from tlt_serve.engine.stats import EngineStats, SpecCounts
 from tlt_serve.sampling_params import SamplingParams
 
 # ---- front end → engine -----------------------------------------------------------------
@@ -134,6 +135,45 @@ class StatsSnapshot:
     capture_bytes: int = 0  # their features + tokens
     # Median tokens/s per batch-size bucket and strategy, as the adaptive policy measured it.
     spec_policy: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def snapshot_of(
+    s: EngineStats,
+    *,
+    running: int,
+    waiting: int,
+    max_num_seqs: int,
+    weight_version: str,
+    paused: bool,
+    drafter_version: int | None,
+    capture: CaptureStats | None,
+    spec_policy: dict[str, dict[str, float]] | None = None,
+) -> StatsSnapshot:
+    """An engine's counters and live state as one picklable message (copies, not views)."""
+    return StatsSnapshot(
+        requests=s.requests,
+        prompt_tokens=s.prompt_tokens,
+        generated_tokens=s.generated_tokens,
+        prefill_steps=s.prefill_steps,
+        decode_steps=s.decode_steps,
+        running=running,
+        waiting=waiting,
+        max_num_seqs=max_num_seqs,
+        batch_size=s.decode_batch_size,
+        step_buckets=tuple(s.step_time.buckets),
+        step_counts=tuple(s.step_time.counts),
+        step_sum=s.step_time.total,
+        step_count=s.step_time.n,
+        weight_version=weight_version,
+        paused=paused,
+        spec=replace(s.spec),
+        spec_by_bucket={k: replace(v) for k, v in s.spec_by_bucket.items()},
+        recent_accept_length=s.recent_accept_length,
+        drafter_version=drafter_version,
+        capture_samples=capture.samples if capture is not None else 0,
+        capture_bytes=capture.bytes if capture is not None else 0,
+        spec_policy=spec_policy or {},
+    )
 
 
 @dataclass(frozen=True)

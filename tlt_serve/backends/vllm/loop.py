@@ -211,6 +211,8 @@ class VllmLoop:
                 live.remove(state.rid)
                 if not live:
                     del self.samples[rid]
+            if not self.samples:
+                self.stats.idle()  # the gap until the next request is no step
 
     async def _abort(self, subs: list[str]) -> None:
         if subs:

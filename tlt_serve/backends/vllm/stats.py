@@ -10,11 +10,10 @@ prompt tokens and as a decode step when it generated tokens.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from tlt_serve.engine.stats import STEP_BUCKETS, EngineStats, SpecCounts
-from tlt_serve.server.messages import StatsSnapshot
+from tlt_serve.engine.stats import EngineStats, SpecCounts
+from tlt_serve.server.messages import StatsSnapshot, snapshot_of
 from tlt_serve.speculative.policy import bucket_name, bucket_of
 
 if TYPE_CHECKING:
@@ -79,29 +78,14 @@ class LoopStats:
         self.last_iteration = None
 
     def snapshot(self, loop: VllmLoop) -> StatsSnapshot:
-        s = self.engine
-        capture = loop.capture.buffer.stats() if loop.capture is not None else None
-        return StatsSnapshot(
-            requests=s.requests,
-            prompt_tokens=s.prompt_tokens,
-            generated_tokens=s.generated_tokens,
-            prefill_steps=s.prefill_steps,
-            decode_steps=s.decode_steps,
-            running=self.running if loop.samples else 0,
-            waiting=self.waiting if loop.samples else 0,
+        busy = bool(loop.samples)
+        return snapshot_of(
+            self.engine,
+            running=self.running if busy else 0,
+            waiting=self.waiting if busy else 0,
             max_num_seqs=loop.info.max_num_seqs,
-            batch_size=s.decode_batch_size,
-            step_buckets=STEP_BUCKETS,
-            step_counts=tuple(s.step_time.counts),
-            step_sum=s.step_time.total,
-            step_count=s.step_time.n,
             weight_version=loop.version,
             paused=loop.paused,
-            spec=dataclasses.replace(s.spec),
-            spec_by_bucket={k: dataclasses.replace(v) for k, v in s.spec_by_bucket.items()},
-            recent_accept_length=s.recent_accept_length,
             drafter_version=loop.drafter_version,
-            capture_samples=capture.samples if capture is not None else 0,
-            capture_bytes=capture.bytes if capture is not None else 0,
+            capture=loop.capture.buffer.stats() if loop.capture is not None else None,
         )
-
