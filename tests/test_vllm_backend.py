@@ -416,3 +416,17 @@ def test_capture_feeds_the_online_trainer_which_vllm_then_serves(
 
     print(f"accept length before {accepted(before):.3f}, after {accepted(after):.3f}")
     assert accepted(after) > accepted(before) + 0.1
+
+
+def test_a_drafter_vllm_cannot_load_is_refused_at_start(model_dir: Path, tmp_path: Path,
+                                                        drafters) -> None:
+    """Before vLLM starts: a directory that is no drafter, and a drafter whose tensors do
+    not fit vLLM's EAGLE drafter, each end the start with the reason."""
+    from tlt_serve.server.bridge import EngineStartError
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((drafters[0] / "config.json").read_text())
+    for path, word in ((model_dir, "tlt_drafter"), (broken, "no \*.safetensors")):
+        with pytest.raises(EngineStartError, match=word):
+            start(model_dir, spec=SpecConfig(method="drafter", drafter=str(path)))
