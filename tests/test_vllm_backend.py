@@ -427,6 +427,6 @@ def test_a_drafter_vllm_cannot_load_is_refused_at_start(model_dir: Path, tmp_pat
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((drafters[0] / "config.json").read_text())
-    for path, word in ((model_dir, "tlt_drafter"), (broken, "no \*.safetensors")):
+    for path, word in ((model_dir, "tlt_drafter"), (broken, r"no \*.safetensors")):
         with pytest.raises(EngineStartError, match=word):
             start(model_dir, spec=SpecConfig(method="drafter", drafter=str(path)))
