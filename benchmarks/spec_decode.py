@@ -109,6 +109,9 @@ def main() -> None:
                         help="served: speculate while at most N sequences run (default: the "
                         "largest batch, i.e. always); e.g. 8 measures what tail-only "
                         "speculation costs at larger batches")
+    served.add_argument("--min-draft-confidence", type=float, default=0.0, metavar="P",
+                        help="served: the native drafter's chain cut (default 0: K drafts "
+                        "every step, as vLLM's EAGLE drafts: like for like)")
     served.add_argument("--vllm-serve", action="store_true",
                         help="also measure plain `vllm serve` (needs vllm in --backends)")
     served.add_argument("--vllm-serve-batches", default=None,

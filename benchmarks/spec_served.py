@@ -97,7 +97,8 @@ def server_args(a: argparse.Namespace, cfg: Config, rows: int) -> list[str]:
              "--speculative", cfg.method,
              "--num-draft-tokens", str(a.depth)]
     if cfg.method == "drafter":
-        flags += ["--drafter", a.drafter]
+        flags += ["--drafter", a.drafter,
+                  "--min-draft-confidence", str(getattr(a, "min_draft_confidence", 0.0))]
     return flags
 
 

@@ -33,7 +33,8 @@ def test_served_flags_name_backend_method_and_capacity() -> None:
     assert pairs == {"--model": "m", "--backend": "vllm", "--dtype": "bfloat16",
                      "--max-model-len": "1024", "--max-num-seqs": "64",
                      "--spec-max-batch": "64", "--speculative": "drafter",
-                     "--num-draft-tokens": "4", "--drafter": "/d"}
+                     "--num-draft-tokens": "4", "--drafter": "/d",
+                     "--min-draft-confidence": "0.0"}  # K drafts every step, as vLLM drafts
     assert "--drafter" not in spec_served.server_args(a, Config("native", "ngram"), 4)
     assert spec_served.vllm_serve_args(a, 64) == [
         "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "64",

@@ -339,6 +339,47 @@ def test_drafter_hot_swap_under_load(model_dir: Path, prompts, offline, drafters
             assert o["meta_info"]["drafter_version"] == versions[-1]
 
 
+@pytest.fixture(scope="module")
+def sliced_drafter(model_dir: Path, prompts, tmp_path_factory) -> Path:
+    """A fitted drafter as the warm-up makes them: fc bias, head sliced to a draft
+    vocabulary (vLLM's own EAGLE-1 drafter has neither)."""
+    llm = LLM(config=EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512),
+        cache=CacheConfig(max_num_seqs=8)))
+    answers = [o.samples[0].token_ids for o in llm.generate(
+        prompts, [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+                  for n in LENGTHS])]
+    out = fit_drafter(llm, prompts, answers, tmp_path_factory.mktemp("sliced") / "d",
+                      draft_vocab_size=2048, steps=60)
+    assert "fc.bias" in load_file(str(out / "model.safetensors"))
+    return out
+
+
+def test_our_drafter_drafts_on_vllm_as_natively(model_dir: Path, prompts, sliced_drafter
+                                                ) -> None:
+    """The backend builds vLLM's drafter with our fc bias and draft vocabulary, so the same
+    prompts accept as many drafts on vLLM as natively (both K = 4 every step, fp32)."""
+    spec = SpecConfig(method="drafter", drafter=str(sliced_drafter), num_draft_tokens=4,
+                      max_batch=8, min_draft_confidence=0.0)
+    outs: dict[str, list[dict]] = {}
+    for backend in ("native", "vllm"):
+        s = serve(model_dir, backend=backend, spec=spec)
+        try:
+            outs[backend] = [generate(s, [p], [n])[0] for p, n in zip(prompts, LENGTHS,
+                                                                        strict=True)]
+        finally:
+            s.stop()
+    assert ids(outs["vllm"]) == ids(outs["native"])
+
+    def accepted(batch: list[dict]) -> int:
+        return round(sum(o["meta_info"]["spec_accept_length"] * o["meta_info"]["spec_verify_ct"]
+                         for o in batch))
+
+    native, vllm = accepted(outs["native"]), accepted(outs["vllm"])
+    print(f"accepted drafts: native {native}, vllm {vllm}")
+    assert native > 20 and abs(vllm - native) <= 0.05 * native
+
+
 def test_engine_core_death_means_503(model_dir: Path) -> None:
     import psutil
 

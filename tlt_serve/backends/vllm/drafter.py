@@ -60,7 +60,7 @@ class VllmDrafter:
             check_compatible(arch, spec, self.target)
             out = Path(tempfile.mkdtemp(prefix="swap-", dir=self.scratch)) / "drafter"
             try:
-                export_vllm_eagle(path, out)
+                export_vllm_eagle(path, out, keep_extras=True)
                 self._check_tensors(header(out / "model.safetensors"))
                 async with loop.weights_lock:
                     await loop.rpc("tlt_load_drafter", files=[str(out / "model.safetensors")])

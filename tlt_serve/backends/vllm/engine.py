@@ -97,7 +97,7 @@ def export_drafter(src: str, export_root: Path) -> Path:
     from tlt_serve.speculative.export import export_vllm_eagle
 
     out = Path(tempfile.mkdtemp(prefix="drafter-", dir=export_root))
-    export_vllm_eagle(src, out)
+    export_vllm_eagle(src, out, keep_extras=True)
     return out
 
 

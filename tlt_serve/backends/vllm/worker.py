@@ -18,6 +18,10 @@ from typing import Any
 
 import torch
 
+from tlt_serve.backends.vllm import eagle_patch
+
+eagle_patch.apply()  # before vLLM builds the drafter in this (its worker) process
+
 
 def _tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
@@ -62,12 +66,15 @@ class TltWorker:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-        tensors = list(_tensors(files))
+        vocab: list[torch.Tensor] = []
+        tensors = list(eagle_patch.split_draft_vocab(_tensors(files), vocab))
+        model = self.model_runner.get_draft_model()
         with set_current_vllm_config(self.vllm_config):
-            reload_weights(self.vllm_config, self.model_runner.get_draft_model(),
-                           weights_iterator=iter(tensors), weights_path=None,
-                           is_checkpoint_format=True)
-        return len(tensors)
+            reload_weights(self.vllm_config, model, weights_iterator=iter(tensors),
+                           weights_path=None, is_checkpoint_format=True)
+        if vocab:
+            eagle_patch.set_draft_vocab(model, vocab[-1])
+        return len(tensors) + len(vocab)
 
     def tlt_save_target(self, path: str, meta: dict[str, str]) -> None:
         """Write the target's embedding, final norm and (untied) head to ``path``, as the
