@@ -164,6 +164,30 @@ def test_stop_conditions(llm: LLM) -> None:
         assert stop_str not in out.text and free.text.startswith(out.text)
 
 
+def test_stop_text_trimmed_or_kept(llm: LLM) -> None:
+    """A stop token's text and a stop string leave the text (as SGLang and vLLM trim them)
+    unless include_stop_in_text (SGLang's no_stop_trim) keeps them; token ids are the same."""
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    free = llm.generate([ids], GREEDY)[0].samples[0]
+    stop_tok = next(t for t in free.token_ids[2:] if llm.tokenizer.decode([t]).strip())
+    first = free.token_ids.index(stop_tok)
+    upto = llm.tokenizer.decode(free.token_ids[:first])
+    with_tok = llm.tokenizer.decode(free.token_ids[: first + 1])
+    for keep, want in ((False, upto), (True, with_tok)):
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=[stop_tok],
+                                include_stop_in_text=keep)
+        out = llm.generate([ids], params)[0].samples[0]
+        assert out.token_ids == free.token_ids[: first + 1] and out.text == want
+
+    stop_str = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    assert stop_str.strip(), "the fixture's greedy text should not be blank here"
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, stop=[stop_str],
+                            include_stop_in_text=True)
+    out = llm.generate([ids], params)[0].samples[0]
+    assert out.finish.matched == stop_str and out.text.endswith(stop_str)
+    assert free.text.startswith(out.text) and out.text.count(stop_str) == 1
+
+
 def test_eos_stops_unless_ignored(tiny_model_dir) -> None:
     llm = make_llm(tiny_model_dir, rows=2)
     ids = llm.tokenizer.encode(PROMPTS[0])

@@ -221,8 +221,8 @@ def test_update_from_distributed_group(served, http, other_dir, expected) -> Non
             replies[path] = c.post(path, json=body)
 
     init = threading.Thread(target=call, args=("/init_weights_update_group", {
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-        "group_name": "rl", "backend": "gloo",
+        "master_address": "127.0.0.1", "master_port": str(port),  # a string, as AReaL sends it
+        "rank_offset": 1, "world_size": 2, "group_name": "rl", "backend": "gloo",
     }))
     init.start()
     trainer = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=60)

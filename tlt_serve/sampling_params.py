@@ -31,6 +31,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # slow tokenizers only; fast ones never add them
+    include_stop_in_text: bool = False  # keep the matched stop string or stop token's text
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0

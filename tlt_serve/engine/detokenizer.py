@@ -21,26 +21,31 @@ class Detokenizer:
         prompt_ids: list[int],
         skip_special_tokens: bool,
         stop: tuple[str, ...] = (),
+        keep_stop: bool = False,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
+        self.decode_kwargs = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:  # a slow tokenizer's option; fast ones ignore it
+            self.decode_kwargs["spaces_between_special_tokens"] = False
         self.stop = stop
+        self.keep_stop = keep_stop  # a matched stop string stays in the text (cut after it)
         self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
         self.prefix = 0
         self.read = len(self.ids)
-        self.text = ""  # output text so far (stop string excluded once matched)
+        self.text = ""  # output text so far (stop string excluded once matched, unless kept)
         self.emitted = 0  # characters of text already handed out
 
     def push(self, token_id: int) -> tuple[str, str | None]:
         """Add one token. Returns (text safe to emit now, matched stop string or None).
 
         Text that could be the start of a stop string is held back until it can't be; once a
-        stop string matches, ``text`` is cut before it and nothing of it is ever emitted.
+        stop string matches, ``text`` is cut before it (after it with ``keep_stop``).
         """
         self.ids.append(token_id)
         decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip)
-        after = decode(self.ids[self.prefix :], skip_special_tokens=self.skip)
+        before = decode(self.ids[self.prefix : self.read], **self.decode_kwargs)
+        after = decode(self.ids[self.prefix :], **self.decode_kwargs)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return "", None  # incomplete character: wait for more bytes
         old_len = len(self.text)
@@ -64,7 +69,7 @@ class Detokenizer:
         for s in self.stop:
             idx = self.text.find(s, max(0, old_len - len(s) + 1))
             if idx != -1:
-                self.text = self.text[:idx]
+                self.text = self.text[: idx + len(s) if self.keep_stop else idx]
                 return s
         return None
 

@@ -108,7 +108,9 @@ class Engine:
                     prompt_ids=list(prompt_ids),
                     params=params,
                     detok=Detokenizer(
-                        self.tokenizer.hf, prompt_ids, params.skip_special_tokens, params.stop
+                        self.tokenizer.hf, prompt_ids, params.skip_special_tokens, params.stop,
+                        keep_stop=params.include_stop_in_text,
+                        spaces_between_special_tokens=params.spaces_between_special_tokens,
                     ),
                     group=rid if params.n > 1 else None,
                     generator=None if seed is None else torch.Generator().manual_seed(seed),

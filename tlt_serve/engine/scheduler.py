@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.engine.request import FinishReason, Request, Status
+from tlt_serve.sampling_params import SamplingParams
 
 RowMover = Callable[[int, int, int], None]  # (src_row, dst_row, num_tokens)
 
@@ -183,9 +184,13 @@ class Scheduler:
             req.logprobs.append(logprobs[n - 1])
             if tops is not None:
                 req.top_logprobs.append(tops[n - 1])
-            delta, matched = req.detok.push(token) if req.detok is not None else ("", None)
+            stop_token = self._is_stop_token(req.params, token)
+            delta, matched = _detokenize(req, token, stop_token)
             text += delta
-            req.finish = self._finish_reason(req, token, matched)
+            if stop_token:
+                req.finish = FinishReason("stop", token)
+            else:
+                req.finish = self._finish_reason(req, matched)
             if req.finish is not None:
                 break
         if req.finish is not None:
@@ -195,10 +200,11 @@ class Scheduler:
         top_list = tops[:n] if tops is not None else []
         return self._output(req, tokens[:n], logprobs[:n], top_list, text, version)
 
-    def _finish_reason(self, req: Request, token: int, matched: str | None) -> FinishReason | None:
+    def _is_stop_token(self, p: SamplingParams, token: int) -> bool:
+        return token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
+
+    def _finish_reason(self, req: Request, matched: str | None) -> FinishReason | None:
         p = req.params
-        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
-            return FinishReason("stop", token)
         if matched is not None:
             return FinishReason("stop", matched)
         if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_len:
@@ -257,3 +263,11 @@ class Scheduler:
     def abort_all(self, version: str) -> list[StepOutput]:
         rids = [r.rid for r in self.waiting] + [r.rid for r in self.running]
         return [out for rid in rids if (out := self.abort(rid, version)) is not None]
+
+
+def _detokenize(req: Request, token: int, stop_token: bool) -> tuple[str, str | None]:
+    """The text ``token`` adds and any stop string it completes. A stop token's own text is
+    trimmed (as SGLang and vLLM do) unless the request keeps stops in its text."""
+    if req.detok is None or (stop_token and not req.params.include_stop_in_text):
+        return "", None
+    return req.detok.push(token)

@@ -311,5 +311,6 @@ class EngineLoop:
             drafter_version=self.engine.spec.drafter_version,
             capture=self.engine.capture.stats(),
             spec_policy=self.engine.spec.policy.table(),
+            kv_tokens=sum(r.num_tokens for r in sched.running),
         )
 

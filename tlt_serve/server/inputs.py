@@ -153,6 +153,8 @@ def _sgl_params(sp: SglSamplingParams, logprob: bool, top_n: int) -> SamplingPar
         stop_token_ids=sp.stop_token_ids or (),
         ignore_eos=sp.ignore_eos,
         skip_special_tokens=sp.skip_special_tokens,
+        spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        include_stop_in_text=sp.no_stop_trim,
         seed=sp.sampling_seed,
         logprobs=logprob,
         top_logprobs=top_n if logprob else 0,

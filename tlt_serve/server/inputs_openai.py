@@ -135,6 +135,8 @@ def _params(
         stop_token_ids=req.stop_token_ids or (),
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_in_text=req.include_stop_str_in_output or req.no_stop_trim,
         seed=req.seed,
         logprobs=logprobs,
         top_logprobs=top_logprobs,

@@ -133,6 +133,7 @@ class StatsSnapshot:
     drafter_version: int | None = None  # the drafter serving now (None: no drafter)
     capture_samples: int = 0  # training samples in the capture buffer
     capture_bytes: int = 0  # their features + tokens
+    kv_tokens: int = 0  # tokens held in the KV cache now (vLLM: block-granular)
     # Median tokens/s per batch-size bucket and strategy, as the adaptive policy measured it.
     spec_policy: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -148,6 +149,7 @@ def snapshot_of(
     drafter_version: int | None,
     capture: CaptureStats | None,
     spec_policy: dict[str, dict[str, float]] | None = None,
+    kv_tokens: int = 0,
 ) -> StatsSnapshot:
     """An engine's counters and live state as one picklable message (copies, not views)."""
     return StatsSnapshot(
@@ -173,6 +175,7 @@ def snapshot_of(
         capture_samples=capture.samples if capture is not None else 0,
         capture_bytes=capture.bytes if capture is not None else 0,
         spec_policy=spec_policy or {},
+        kv_tokens=kv_tokens,
     )
 
 

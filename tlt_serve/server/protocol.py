@@ -27,18 +27,19 @@ class SglSamplingParams(Struct, forbid_unknown_fields=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
+    no_stop_trim: bool = False  # keep a matched stop string / stop token's text in `text`
+    spaces_between_special_tokens: bool = True
+    # Read only by a custom logit processor (refused below), as in SGLang: accepted, unused.
+    custom_params: dict[str, Any] | None = None
     # Accepted only at these no-op values.
     min_new_tokens: int = 0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
     logit_bias: dict[str, float] | None = None
-    custom_params: dict[str, Any] | None = None
 
 
 SGL_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
@@ -46,13 +47,10 @@ SGL_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0.0,),
     "presence_penalty": (0.0,),
     "repetition_penalty": (1.0,),
-    "spaces_between_special_tokens": (True,),
-    "no_stop_trim": (False,),
     "regex": (None,),
     "json_schema": (None,),
     "ebnf": (None,),
     "logit_bias": (None, {}),
-    "custom_params": (None, {}),
 }
 
 
@@ -73,6 +71,12 @@ class GenerateReq(Struct, forbid_unknown_fields=True):
     token_ids_logprob: list[int] | None = None
     image_data: str | list[Any] | None = None
     log_metrics: bool = True
+    # sglang-router re-serializes every /generate with these fields set (model: null).
+    model: str | None = None  # one model per server: not used for routing here
+    no_logs: bool = False  # request bodies are never logged
+    background: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
 
 
 GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
@@ -82,6 +86,9 @@ GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "custom_logit_processor": (None,),
     "token_ids_logprob": (None,),
     "image_data": (None, []),
+    "background": (False,),
+    "return_bytes": (False,),
+    "return_entropy": (False,),
 }
 
 
@@ -152,7 +159,7 @@ class UpdateWeightVersionReq(Struct, forbid_unknown_fields=True):
 
 class InitGroupReq(Struct, forbid_unknown_fields=True):
     master_address: str
-    master_port: int
+    master_port: int | str  # AReaL sends it as a string
     rank_offset: int
     world_size: int
     group_name: str = "weight_update_group"

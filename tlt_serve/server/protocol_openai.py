@@ -41,6 +41,11 @@ class CommonReq(Struct, forbid_unknown_fields=True, kw_only=True):
     return_token_ids: bool = False
     repetition_penalty: float | None = None
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    # SGLang extras (sglang-router adds them to every request it forwards)
+    no_stop_trim: bool = False  # as include_stop_str_in_output
+    return_hidden_states: bool = False
 
 
 COMMON_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
@@ -49,6 +54,7 @@ COMMON_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "repetition_penalty": (None, 1.0),
     "min_tokens": (0,),
+    "return_hidden_states": (False,),
 }
 
 
@@ -96,6 +102,11 @@ class ChatReq(CommonReq, kw_only=True):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    # SGLang extras. The reasoning flags act only with a reasoning parser, which this
+    # server (like SGLang without --reasoning-parser) does not run: accepted, no effect.
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 CHAT_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
@@ -104,6 +115,7 @@ CHAT_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none", "auto"),
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
+    "continue_final_message": (False,),
 }
 
 # ---- responses ----------------------------------------------------------------------------

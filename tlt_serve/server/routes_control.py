@@ -60,6 +60,7 @@ def control_routes() -> APIRouter:
         return json_response({"status": "ok"})
 
     @router.get("/get_model_info")
+    @router.get("/model_info")
     async def model_info(request: Request) -> Response:
         st = get_state(request)
         return json_response({
@@ -76,11 +77,19 @@ def control_routes() -> APIRouter:
         })
 
     @router.get("/get_server_info")
+    @router.get("/server_info")
     async def server_info(request: Request) -> Response:
         st = get_state(request)
         stats, stale = await latest_stats(st)
         return json_response({
             **_redacted_config(st),
+            # What routers and RL frameworks read at the top level of SGLang's server info
+            # (sglang-router: model name and parallelism; slime: enable_memory_saver).
+            "model_path": st.info.model_path,
+            "served_model_name": st.model_name,
+            "tp_size": 1,
+            "dp_size": 1,
+            "enable_memory_saver": False,
             "engine_info": dataclasses.asdict(st.info),
             "stats": dataclasses.asdict(stats),
             "weight_version": stats.weight_version,
@@ -89,6 +98,19 @@ def control_routes() -> APIRouter:
             "in_flight": st.client.in_flight(),
             "version": tlt_serve.__version__,
         })
+
+    @router.get("/get_load")
+    async def get_load(request: Request) -> Response:
+        """SGLang's load report, one entry per data-parallel rank (here one): what
+        sglang-router's load-aware policies and ``/get_loads`` read."""
+        stats, _ = await latest_stats(get_state(request))
+        return json_response([_load(stats)])
+
+    @router.get("/v1/loads")
+    async def loads(request: Request) -> Response:
+        """The same as ``{"loads": [...]}`` (slime polls it until an abort has drained)."""
+        stats, _ = await latest_stats(get_state(request))
+        return json_response({"loads": [_load(stats)]})
 
     @router.post("/abort_request", tags=[ADMIN_TAG], openapi_extra=json_body(AbortReq))
     async def abort_request(request: Request) -> Response:
@@ -187,6 +209,16 @@ async def latest_stats(st: ServerState) -> tuple[StatsSnapshot, bool]:
         if st.client.stats is None:
             raise
         return st.client.stats, True
+
+
+def _load(stats: StatsSnapshot) -> dict[str, int]:
+    return {
+        "dp_rank": 0,
+        "num_reqs": stats.running + stats.waiting,
+        "num_running_reqs": stats.running,
+        "num_waiting_reqs": stats.waiting,
+        "num_tokens": stats.kv_tokens,
+    }
 
 
 def _redacted_config(st: ServerState) -> dict[str, Any]:

@@ -104,13 +104,12 @@ def weight_routes() -> APIRouter:
             raise ParamError("backend", f"must be gloo or nccl, got {req.backend!r}")
         if not 0 < req.rank_offset < req.world_size:
             raise ParamError("rank_offset", "must be in [1, world_size): the trainer is rank 0")
-        if not 0 < req.master_port < 65536:
-            raise ParamError("master_port", f"must be in [1, 65535], got {req.master_port}")
+        port = _port(req.master_port)
         if not 0 < req.timeout_s <= MAX_RENDEZVOUS_S:
             raise ParamError("timeout_s", f"must be in (0, {MAX_RENDEZVOUS_S:.0f}], "
                              f"got {req.timeout_s}")
         return await _apply(st, "init_weights_update_group", master_address=req.master_address,
-                            master_port=req.master_port, rank_offset=req.rank_offset,
+                            master_port=port, rank_offset=req.rank_offset,
                             world_size=req.world_size, backend=req.backend,
                             group_name=req.group_name, timeout_s=req.timeout_s)
 
@@ -169,3 +168,12 @@ async def _apply(st: ServerState, name: str, **kwargs: Any) -> Response:
         return json_response(WeightUpdateOut(False, str(err), version), status=400)
     message = str(payload.get("message", "ok"))
     return json_response(WeightUpdateOut(True, message, str(payload["weight_version"])))
+
+
+def _port(value: int | str) -> int:
+    """A TCP port given as a number or a string of digits (AReaL sends a string)."""
+    digits = isinstance(value, str) and value.isascii() and value.isdigit()
+    port = value if isinstance(value, int) else int(value) if digits else -1
+    if not 0 < port < 65536:
+        raise ParamError("master_port", f"must be a port in [1, 65535], got {value!r}")
+    return port

@@ -60,6 +60,8 @@ def vllm_params(params: SamplingParams, index: int, max_tokens: int) -> Any:
         max_tokens=max_tokens,
         logprobs=params.top_logprobs if want_logprobs else None,
         skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+        include_stop_str_in_output=params.include_stop_in_text,
         output_kind=RequestOutputKind.DELTA,
     )
 

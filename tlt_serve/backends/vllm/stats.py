@@ -25,6 +25,7 @@ class LoopStats:
         self.engine = EngineStats()
         self.running = 0
         self.waiting = 0
+        self.kv_usage = 0.0  # fraction of the KV blocks in use
         self.last_iteration: float | None = None
 
     def logger_factory(self) -> Any:
@@ -50,6 +51,7 @@ class LoopStats:
         s = self.engine
         if scheduler is not None:
             self.running, self.waiting = scheduler.num_running_reqs, scheduler.num_waiting_reqs
+            self.kv_usage = scheduler.kv_cache_usage
             spec = scheduler.spec_decoding_stats
             if spec is not None and spec.num_drafts:
                 counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
@@ -88,4 +90,6 @@ class LoopStats:
             paused=loop.paused,
             drafter_version=loop.drafter_version,
             capture=loop.capture.buffer.stats() if loop.capture is not None else None,
+            kv_tokens=round(self.kv_usage * loop.info.max_num_seqs * loop.info.max_model_len)
+            if busy else 0,
         )
