@@ -232,10 +232,25 @@ class ServerConfig:
     max_body_bytes: int = 64 << 20  # JSON bodies above this get 413 (weight uploads stream)
     served_model_name: str | None = None  # name reported by /v1/models; default: the model arg
     log_level: str = "info"
+    register: str | None = None  # an sglang-router URL: join it once serving, leave at exit
+    advertise_url: str | None = None  # the URL the router reaches this server at
+
+    @property
+    def own_url(self) -> str:
+        return self.advertise_url or f"http://{self.host}:{self.port}"
 
     def validate(self) -> None:
         self.engine.validate()
         self.training.validate()
+        for name in ("register", "advertise_url"):
+            url = getattr(self, name)
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{name}: must be an http(s):// URL, got {url!r}")
+        if self.register and not self.advertise_url and self.host in ("0.0.0.0", "::", ""):
+            raise ConfigError("advertise_url: with --register and a wildcard --host, give the "
+                              "URL the router reaches this server at")
+        if self.register and not self.advertise_url and self.port == 0:
+            raise ConfigError("advertise_url: with --register and --port 0, give the URL")
         if self.training.enabled and not self.engine.capture.enabled:
             raise ConfigError("capture: --train-drafter trains on captured samples (enable it)")
         if self.training.enabled and self.engine.spec.proposer != "drafter":

@@ -24,6 +24,7 @@ from tlt_serve.config import (
     SpecConfig,
     TrainingConfig,
 )
+from tlt_serve.fleet.router_api import RouterApi, RouterError
 from tlt_serve.models.provision import DEFAULT_MODEL
 from tlt_serve.server.app import build_app
 from tlt_serve.server.bridge import EngineClient, EngineStartError
@@ -106,6 +107,13 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                        help="trainer checkpoints (default: under the cache directory)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--register", default=None, metavar="ROUTER_URL",
+                       help="join this sglang-router once serving, leave it at shutdown")
+    serve.add_argument("--advertise-url", default=None, metavar="URL",
+                       help="the URL the router reaches this server at "
+                       "(default http://HOST:PORT)")
+    sub.add_parser("fleet", add_help=False,
+                   help="N replicas behind sglang-router (tlt-serve fleet --help)")
     args = parser.parse_args(argv)
     config = ServerConfig(
         engine=EngineConfig(
@@ -144,6 +152,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_body_bytes=int(args.max_body_mb * 2**20),
         served_model_name=args.served_model_name,
         log_level=args.log_level,
+        register=args.register,
+        advertise_url=args.advertise_url,
     )
     try:
         config.validate()
@@ -191,6 +201,8 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        if self.server_config.register:
+            await asyncio.to_thread(self._leave_router)
         if self.trainer is not None:
             await asyncio.to_thread(self.trainer.stop)
         await super().shutdown(sockets)
@@ -204,11 +216,32 @@ class _Server(uvicorn.Server):
             return
         host, port = self.servers[0].sockets[0].getsockname()[:2]
         print(f"tlt-serve ready: http://{host}:{port} (model {self.model})", flush=True)
+        if self.server_config.register:
+            await asyncio.to_thread(self._join_router)
         if self.server_config.training.enabled:
             url = f"http://{host}:{port}"
             self.trainer = TrainerSupervisor(self.server_config, url, self.training)
             self.client.load_listeners.append(self.trainer.on_load)
             self.trainer.start()
+
+
+    def _join_router(self) -> None:
+        cfg = self.server_config
+        assert cfg.register is not None
+        try:
+            RouterApi(cfg.register).add(cfg.own_url, api_key=cfg.api_key)
+        except RouterError as err:  # serving goes on; the operator sees why it is not routed
+            log.error("could not register with the router: %s", err)
+            return
+        print(f"tlt-serve registered {cfg.own_url} with {cfg.register}", flush=True)
+
+    def _leave_router(self) -> None:
+        cfg = self.server_config
+        assert cfg.register is not None
+        try:
+            RouterApi(cfg.register).remove(cfg.own_url)
+        except RouterError as err:
+            log.warning("could not deregister from the router: %s", err)
 
 
 def serve(config: ServerConfig) -> int:
@@ -232,6 +265,11 @@ def serve(config: ServerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["fleet"]:
+        from tlt_serve.fleet.launch import main as fleet_main
+
+        return fleet_main(argv[1:])
     config = parse_args(argv)
     return serve(config)
 

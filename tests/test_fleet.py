@@ -1,0 +1,184 @@
+"""Replicas behind a real sglang-router: ``tlt-serve fleet`` on this machine, and a server
+joining and leaving a running router with ``--register``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clients.fleet import Fleet, FleetError
+from tests.test_server_harness import wait_for
+from tests.test_server_lifecycle import children, running
+from tlt_serve.fleet.launch import split_cores
+from tlt_serve.fleet.router_api import RouterApi
+from tlt_serve.fleet.router_proc import RouterProcess, free_port
+
+pytest.importorskip("sglang_router")
+
+
+def tiny_flags(model_dir: Path) -> list[str]:
+    return ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", "256",
+            "--max-num-seqs", "16", "--log-level", "warning"]
+
+
+def read_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 300) -> str:
+    lines: list[str] = []
+
+    def seen() -> bool:
+        line = proc.stdout.readline() if proc.stdout else ""
+        lines.append(line)
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode}: {''.join(lines)[-2000:]}")
+        return line.startswith(prefix)
+
+    wait_for(seen, timeout=timeout, interval=0)
+    return lines[-1]
+
+
+@pytest.fixture
+def fleet(tiny_model_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tlt_serve", "fleet", "--replicas", "2", "--port", str(port),
+         *tiny_flags(tiny_model_dir)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        read_line(proc, "tlt-serve fleet ready")
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+def test_cores_split_evenly_or_as_asked() -> None:
+    assert split_cores([0, 1, 2, 3], 2, None) == [(0, 1), (2, 3)]
+    assert split_cores([0, 1, 2, 3], 3, 1) == [(0,), (1,), (2,)]
+    with pytest.raises(ValueError, match="3 replicas"):
+        split_cores([0, 1], 3, None)
+
+
+def test_fleet_serves_through_the_router_and_stops_cleanly(fleet) -> None:
+    proc, url = fleet
+    replicas = RouterApi(url).workers()
+    assert len(replicas) == 2 and all(w.healthy for w in replicas)
+
+    def one(i: int) -> dict:
+        body = {"input_ids": [5, 9, 23, i % 50 + 1], "rid": f"r{i}",
+                "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": i}}
+        r = httpx.post(f"{url}/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(one, range(64)))
+    assert sorted(o["meta_info"]["id"] for o in outs) == sorted(f"r{i}" for i in range(64))
+    served = [httpx.get(f"{w.url}/get_server_info").json()["stats"]["requests"]
+              for w in replicas]
+    assert sum(served) == 64 and min(served) > 0  # both replicas took requests
+    assert httpx.post(f"{url}/flush_cache").json()["workers_flushed"] == 2
+
+    kids = children(proc.pid)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(90) == 0
+    wait_for(lambda: not any(running(pid) for pid in kids), timeout=30)
+
+
+def test_fleet_client_updates_every_replica(fleet, tiny_model_factory) -> None:
+    _, url = fleet
+    prompts = [[5, 9, 23, i + 1] for i in range(16)]
+    greedy = {"max_new_tokens": 6, "temperature": 0.0}
+    with Fleet(url) as f:
+        assert len(f.replicas()) == 2 and f.weight_version() == "0"
+        before = f.generate(prompts, n=2, **greedy)
+        assert [len(g) for g in before] == [2] * 16
+        with pytest.raises(FleetError, match="2 of 2") as err:
+            f.update_weights_from_disk("/nonexistent/checkpoint", weight_version="bad")
+        assert err.value.done == [] and len(f.replicas()) == 2  # refused everywhere: kept
+        assert f.weight_version() == "0"
+        other = tiny_model_factory(seed=1)
+        assert f.update_weights_from_disk(str(other), weight_version="1") == "1"
+        assert f.weight_version() == "1"
+        after = f.generate(prompts, n=2, **greedy)
+        assert all(s.weight_version == "1" for g in after for s in g)
+        assert [g[0].token_ids for g in after] != [g[0].token_ids for g in before]
+        f.pause("in_place")
+        f.resume()
+
+
+def test_a_replica_killed_mid_rollout_loses_no_sample(fleet) -> None:
+    proc, url = fleet
+    with Fleet(url) as f:
+        victim, survivor = f.replicas()
+        pid = next(p for p in children(proc.pid)
+                   if f"--port {victim.rsplit(':', 1)[1]}" in _cmdline(p))
+        prompts = [[5, 9, 23, i + 1] for i in range(64)]
+        with ThreadPoolExecutor(1) as pool:
+            rollout = pool.submit(f.generate, prompts, n=1, max_new_tokens=48, ignore_eos=True)
+            wait_for(lambda: _running(victim) > 0, timeout=30, interval=0.01)
+            os.kill(pid, signal.SIGKILL)
+            groups = rollout.result(timeout=300)
+        assert len(groups) == 64 and all(len(g) == 1 for g in groups)
+        assert all(len(g[0].token_ids) == 48 for g in groups)  # whole samples, none partial
+        wait_for(lambda: f.replicas() == [survivor], timeout=30)  # the launcher took it out
+
+
+def _running(url: str) -> int:
+    try:
+        return int(httpx.get(f"{url}/v1/loads", timeout=2).json()["loads"][0]["num_reqs"])
+    except (httpx.HTTPError, KeyError, ValueError):
+        return 0
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_register_joins_and_leaves_a_running_router(tiny_model_dir: Path) -> None:
+    router = RouterProcess("127.0.0.1", free_port(), [])
+    try:
+        router.wait_up()
+        port = free_port()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tlt_serve", "serve", *tiny_flags(tiny_model_dir),
+             "--port", str(port), "--register", router.url],
+            stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        try:
+            read_line(server, "tlt-serve registered")
+            own = f"http://127.0.0.1:{port}"
+            api = RouterApi(router.url)
+            api.wait_healthy([own], timeout=30)
+            r = httpx.post(f"{router.url}/generate", timeout=60,
+                           json={"input_ids": [5, 9], "sampling_params": {"max_new_tokens": 4}})
+            assert r.status_code == 200, r.text
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+            assert api.workers() == []  # it left the router as it stopped
+        finally:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(30)
+    finally:
+        router.stop()
+
+
+def test_register_needs_a_reachable_url() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "tlt_serve", "serve", "--host", "0.0.0.0",
+         "--register", "http://127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 2 and "--advertise-url" in r.stderr

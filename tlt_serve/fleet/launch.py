@@ -1,0 +1,195 @@
+"""``tlt-serve fleet --replicas N [serve flags]``: N replicas on this machine, each on its
+own cores, and sglang-router in front of them at ``--host:--port``.
+
+Replica i listens on ``--replica-host:port+1+i`` and is pinned to its share of the cores
+this process may use (``--cores-per-replica``, default an even split), with as many torch
+threads. The router comes up first with no workers; each replica is registered once it
+answers ``/health``. A replica that exits is taken out of the router and reported, not
+restarted (a fresh start would serve its initial weights, not the fleet's). SIGTERM or
+SIGINT stops the replicas (their in-flight requests end with partial outputs, as one
+server's do), then the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from types import FrameType
+
+from tlt_serve.fleet.router_api import RouterApi, RouterError
+from tlt_serve.fleet.router_proc import POLICIES, RouterProcess, router_missing
+
+START_TIMEOUT_S = 900.0  # a replica's first start may build the CPU kernels
+
+
+@dataclass(frozen=True)
+class FleetArgs:
+    replicas: int
+    host: str
+    port: int
+    replica_host: str
+    cores_per_replica: int | None
+    policy: str
+    log_level: str
+    serve_flags: tuple[str, ...]
+
+
+@dataclass
+class Replica:
+    index: int
+    url: str
+    cores: tuple[int, ...]
+    proc: subprocess.Popen[bytes]
+
+
+def parse(argv: list[str]) -> FleetArgs:
+    p = argparse.ArgumentParser(
+        prog="tlt-serve fleet",
+        description="N replicas of `tlt-serve serve` behind sglang-router; other flags go to "
+        "every replica",
+    )
+    p.add_argument("--replicas", type=int, required=True, metavar="N")
+    p.add_argument("--host", default="127.0.0.1", help="the router's address (an IP)")
+    p.add_argument("--port", type=int, default=30000,
+                   help="the router's port; replica i listens on port + 1 + i")
+    p.add_argument("--replica-host", default="127.0.0.1")
+    p.add_argument("--cores-per-replica", type=int, default=None, metavar="C")
+    p.add_argument("--router-policy", choices=POLICIES, default="round_robin")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    args, serve_flags = p.parse_known_args(argv)
+    if args.replicas < 1:
+        p.error("argument --replicas: must be >= 1")
+    if any(f.split("=")[0] in ("--train-drafter",) for f in serve_flags):
+        p.error("argument --train-drafter: a fleet trains one drafter for all replicas "
+                "(`tlt-train online --fleet URL`), not one per replica")
+    from tlt_serve.server.cli import parse_args
+
+    parse_args(["serve", *serve_flags])  # the replicas' flags: exits 2 naming a bad one
+    return FleetArgs(args.replicas, args.host, args.port, args.replica_host,
+                     args.cores_per_replica, args.router_policy, args.log_level,
+                     tuple(serve_flags))
+
+
+def split_cores(cores: list[int], replicas: int, per: int | None) -> list[tuple[int, ...]]:
+    """Contiguous shares of ``cores``: ``per`` each, or all of them split evenly."""
+    per = per or len(cores) // replicas
+    if per < 1 or per * replicas > len(cores):
+        raise ValueError(f"{replicas} replicas x {per or 1} cores need more than the "
+                         f"{len(cores)} cores this process may use")
+    return [tuple(cores[i * per : (i + 1) * per]) for i in range(replicas)]
+
+
+def start_replica(args: FleetArgs, index: int, cores: tuple[int, ...]) -> Replica:
+    port = args.port + 1 + index
+    cmd = [sys.executable, "-m", "tlt_serve", "serve", *args.serve_flags,
+           "--host", args.replica_host, "--port", str(port), "--log-level", args.log_level]
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    return Replica(index, f"http://{args.replica_host}:{port}", cores, proc)
+
+
+class Fleet:
+    def __init__(self, args: FleetArgs) -> None:
+        self.args = args
+        self.stopping = False
+        self.router: RouterProcess | None = None
+        self.replicas: list[Replica] = []
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        try:
+            self._start()
+            if not self.stopping:
+                self._supervise()
+            return 0
+        except (RuntimeError, RouterError, ValueError) as err:
+            print(f"tlt-serve fleet: {err}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            self._stop()
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        self.stopping = True
+
+    def _start(self) -> None:
+        a = self.args
+        shares = split_cores(sorted(os.sched_getaffinity(0)), a.replicas, a.cores_per_replica)
+        self.router = RouterProcess(a.host, a.port, [], a.policy, a.log_level)
+        self.router.wait_up()
+        api = RouterApi(self.router.url)
+        self.replicas = [start_replica(a, i, cores) for i, cores in enumerate(shares)]
+        pending = {r.url for r in self.replicas}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while pending and not self.stopping:
+            self._check_alive()
+            for r in self.replicas:
+                if r.url in pending and _healthy(r.url):
+                    api.add(r.url)
+                    pending.discard(r.url)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas not up in {START_TIMEOUT_S:.0f} s: {sorted(pending)}")
+            time.sleep(0.5)
+        if not self.stopping:
+            api.wait_healthy([r.url for r in self.replicas], timeout=60)
+            shown = ", ".join(f"{r.url} (cores {','.join(map(str, r.cores))})"
+                              for r in self.replicas)
+            print(f"tlt-serve fleet ready: {self.router.url} ({a.replicas} replicas: {shown})",
+                  flush=True)
+
+    def _check_alive(self) -> None:
+        for r in self.replicas:
+            if r.proc.poll() is not None:
+                raise RuntimeError(f"replica {r.index} ({r.url}) exited with code "
+                                   f"{r.proc.returncode} while starting")
+
+    def _supervise(self) -> None:
+        assert self.router is not None
+        api = RouterApi(self.router.url)
+        live = list(self.replicas)
+        while not self.stopping:
+            if self.router.proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with code {self.router.proc.returncode}")
+            for r in [r for r in live if r.proc.poll() is not None]:
+                live.remove(r)
+                print(f"tlt-serve fleet: replica {r.index} ({r.url}) exited with code "
+                      f"{r.proc.returncode}; taken out of the router", file=sys.stderr, flush=True)
+                api.remove(r.url)
+            if not live:
+                raise RuntimeError("every replica has exited")
+            time.sleep(0.5)
+
+    def _stop(self) -> None:
+        for r in self.replicas:
+            if r.proc.poll() is None:
+                r.proc.send_signal(signal.SIGTERM)
+        for r in self.replicas:
+            try:
+                r.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                r.proc.kill()
+                r.proc.wait()
+        if self.router is not None:
+            self.router.stop()
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def main(argv: list[str]) -> int:
+    if (why := router_missing()) is not None:
+        print(f"tlt-serve fleet: {why}", file=sys.stderr)
+        return 2
+    return Fleet(parse(argv)).run()
