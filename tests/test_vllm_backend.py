@@ -267,15 +267,22 @@ def distributed_update(http: httpx.Client, weights: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def drafters(model_dir: Path, prompts, tmp_path_factory) -> list[Path]:
-    """Drafters for the target (full head: vLLM drafts over the whole vocabulary): two
-    fitted to its greedy answers for different lengths, and an untrained one."""
+def greedy_answers(model_dir: Path, prompts) -> tuple[LLM, list[list[int]]]:
+    """A native fp32 engine on the target and its greedy answers to the prompts."""
     llm = LLM(config=EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512),
         cache=CacheConfig(max_num_seqs=8)))
     answers = [o.samples[0].token_ids for o in llm.generate(
         prompts, [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
                   for n in LENGTHS])]
+    return llm, answers
+
+
+@pytest.fixture(scope="module")
+def drafters(greedy_answers, prompts, tmp_path_factory) -> list[Path]:
+    """Drafters for the target (full head): two fitted to its greedy answers for different
+    lengths, and an untrained one."""
+    llm, answers = greedy_answers
     root = tmp_path_factory.mktemp("drafters")
     return [fit_drafter(llm, prompts, answers, root / f"d{i}", draft_vocab_size=0, steps=steps)
             for i, steps in enumerate((150, 60, 0))]
@@ -340,15 +347,10 @@ def test_drafter_hot_swap_under_load(model_dir: Path, prompts, offline, drafters
 
 
 @pytest.fixture(scope="module")
-def sliced_drafter(model_dir: Path, prompts, tmp_path_factory) -> Path:
+def sliced_drafter(greedy_answers, prompts, tmp_path_factory) -> Path:
     """A fitted drafter as the warm-up makes them: fc bias, head sliced to a draft
     vocabulary (vLLM's own EAGLE-1 drafter has neither)."""
-    llm = LLM(config=EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512),
-        cache=CacheConfig(max_num_seqs=8)))
-    answers = [o.samples[0].token_ids for o in llm.generate(
-        prompts, [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
-                  for n in LENGTHS])]
+    llm, answers = greedy_answers
     out = fit_drafter(llm, prompts, answers, tmp_path_factory.mktemp("sliced") / "d",
                       draft_vocab_size=2048, steps=60)
     assert "fc.bias" in load_file(str(out / "model.safetensors"))
