@@ -4,7 +4,9 @@ joining and leaving a running router with ``--register``."""
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,9 +45,27 @@ def read_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 300) ->
     return lines[-1]
 
 
+def free_run(n: int) -> int:
+    """The first of ``n`` consecutive free ports, below Linux's ephemeral range (32768+), so
+    that no outgoing connection takes one between now and the replicas binding it."""
+    rng = random.Random()
+    while True:
+        first = rng.randrange(20000, 32000 - n)
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", first + i))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
 @pytest.fixture
 def fleet(tiny_model_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    port = free_port()
+    port = free_run(3)  # the router's, then one per replica
     proc = subprocess.Popen(
         [sys.executable, "-m", "tlt_serve", "fleet", "--replicas", "2", "--port", str(port),
          *tiny_flags(tiny_model_dir)],
