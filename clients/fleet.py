@@ -116,13 +116,15 @@ class Fleet:
 
     def _one(self, prompt: Sequence[int], n: int, return_logprob: bool,
              sampling: Mapping[str, Any]) -> list[Sample]:
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        while True:
             try:
                 return self.routed.generate([prompt], n, return_logprob, **sampling)[0]
             except (ServerError, httpx.TransportError) as err:
-                if isinstance(err, ServerError) and err.status < 500 or attempt == self.retries:
+                client_error = isinstance(err, ServerError) and err.status < 500
+                if client_error or attempt == self.retries:
                     raise
-        raise AssertionError("unreachable")
+                attempt += 1
 
     # ---- control, on every replica -------------------------------------------------------
     def abort(self, rid: str | None = None) -> None:

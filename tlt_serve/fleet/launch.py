@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from tlt_serve.fleet.router_api import RouterApi, RouterError
-from tlt_serve.fleet.router_proc import POLICIES, RouterProcess, router_missing
+from tlt_serve.fleet.router_proc import POLICIES, RouterProcess, answers, router_missing
 
 START_TIMEOUT_S = 900.0  # a replica's first start may build the CPU kernels
 
@@ -65,7 +65,7 @@ def parse(argv: list[str]) -> FleetArgs:
     args, serve_flags = p.parse_known_args(argv)
     if args.replicas < 1:
         p.error("argument --replicas: must be >= 1")
-    if any(f.split("=")[0] in ("--train-drafter",) for f in serve_flags):
+    if "--train-drafter" in serve_flags:
         p.error("argument --train-drafter: a fleet trains one drafter for all replicas "
                 "(`tlt-train online --fleet URL`), not one per replica")
     from tlt_serve.server.cli import parse_args
@@ -130,7 +130,7 @@ class Fleet:
         while pending and not self.stopping:
             self._check_alive()
             for r in self.replicas:
-                if r.url in pending and _healthy(r.url):
+                if r.url in pending and answers(f"{r.url}/health"):
                     api.add(r.url)
                     pending.discard(r.url)
             if time.monotonic() > deadline:
@@ -177,15 +177,6 @@ class Fleet:
                 r.proc.wait()
         if self.router is not None:
             self.router.stop()
-
-
-def _healthy(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def main(argv: list[str]) -> int:

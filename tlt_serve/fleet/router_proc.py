@@ -31,6 +31,14 @@ def router_missing() -> str | None:
     return None
 
 
+def answers(url: str) -> bool:
+    """GET ``url`` answers 200 (within 2 s)."""
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -67,11 +75,8 @@ class RouterProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sglang-router exited with code {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/liveness", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if answers(f"{self.url}/liveness"):
+                return
             time.sleep(0.2)
         raise RuntimeError(f"sglang-router did not answer at {self.url} in {timeout:.0f} s")
 
