@@ -15,8 +15,8 @@ in parallel. A weight update returns only when every replica reports the same
 ``weight_version``. If every replica refuses it (a malformed update), all keep serving the
 old weights. If only some fail it, the others keep the new weights (there is no way back to
 the old ones) and the failed ones are taken out of the router, so the fleet never serves two
-versions at once; ``FleetError`` names them. ``rejoin(url)`` puts a replica
-back once it serves the fleet's version.
+versions at once; ``FleetError`` names them. ``rejoin(url)`` copies the fleet's weights
+and drafter to a replica, then puts it back.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import torch
 
 from clients.client import Client
 from clients.results import Sample, ServerError
-from tlt_serve.fleet.router_api import RouterApi
+from tlt_serve.fleet.join import Joined, JoinError, join_fleet
+from tlt_serve.fleet.router_api import RouterApi, RouterError
 
 T = TypeVar("T")
 
@@ -95,15 +96,13 @@ class Fleet:
             raise FleetError(what, failed, list(done))
         return done
 
-    def rejoin(self, url: str) -> None:
-        """Put a replica back behind the router once it serves the fleet's weight version."""
-        version = self.weight_version()
-        have = self.client(url).weight_version()
-        if have != version:
-            raise FleetError("rejoin", {url: f"serves weight version {have!r}, the fleet "
-                                        f"{version!r}: update it first"}, [])
-        self.router.add(url, api_key=self.api_key)
-        self.router.wait_healthy([url], timeout=60)
+    def rejoin(self, url: str) -> Joined:
+        """Put a replica back behind the router, first copying the fleet's weights and
+        drafter to it from a healthy peer (``tlt_serve.fleet.join``)."""
+        try:
+            return join_fleet(self.router.url, url, api_key=self.api_key)
+        except (JoinError, RouterError) as err:
+            raise FleetError("rejoin", {url: str(err)}, []) from err
 
     # ---- generation ----------------------------------------------------------------------
     def generate(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,11 +65,13 @@ def free_run(n: int) -> int:
 
 
 @pytest.fixture
-def fleet(tiny_model_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def fleet(tiny_model_dir: Path, tiny_drafter_dir: Path
+          ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     port = free_run(3)  # the router's, then one per replica
     proc = subprocess.Popen(
         [sys.executable, "-m", "tlt_serve", "fleet", "--replicas", "2", "--port", str(port),
-         *tiny_flags(tiny_model_dir)],
+         *tiny_flags(tiny_model_dir), "--speculative", "drafter", "--drafter",
+         str(tiny_drafter_dir)],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
@@ -135,21 +138,36 @@ def test_fleet_client_updates_every_replica(fleet, tiny_model_factory) -> None:
         f.resume()
 
 
-def test_a_replica_killed_mid_rollout_loses_no_sample(fleet) -> None:
+def test_a_replica_killed_mid_rollout_loses_no_sample_and_rejoins_current(
+    fleet, tiny_model_factory, tiny_drafter_dir: Path, tmp_path: Path
+) -> None:
     proc, url = fleet
+    drafter = shutil.copytree(tiny_drafter_dir, tmp_path / "published")
+    greedy = {"max_new_tokens": 8, "temperature": 0.0}
     with Fleet(url) as f:
+        # The fleet moves on from its start: new weights, a newly published drafter.
+        assert f.update_weights_from_disk(str(tiny_model_factory(seed=2)), "w2") == "w2"
+        assert f.update_drafter_from_disk(str(drafter), version=7) == 7
         victim, survivor = f.replicas()
         pid = next(p for p in children(proc.pid)
                    if f"--port {victim.rsplit(':', 1)[1]}" in _cmdline(p))
         prompts = [[5, 9, 23, i + 1] for i in range(64)]
         with ThreadPoolExecutor(1) as pool:
             rollout = pool.submit(f.generate, prompts, n=1, max_new_tokens=48, ignore_eos=True)
-            wait_for(lambda: _running(victim) > 0, timeout=30, interval=0.01)
+            wait_for(lambda: _running(victim) > 0 or rollout.done(), timeout=30, interval=0.01)
+            assert not rollout.done(), rollout.result()
             os.kill(pid, signal.SIGKILL)
             groups = rollout.result(timeout=300)
         assert len(groups) == 64 and all(len(g) == 1 for g in groups)
         assert all(len(g[0].token_ids) == 48 for g in groups)  # whole samples, none partial
-        wait_for(lambda: f.replicas() == [survivor], timeout=30)  # the launcher took it out
+        # The launcher restarts it; it comes back serving what the fleet serves.
+        wait_for(lambda: f.replicas() == sorted([victim, survivor]), timeout=300, interval=0.5)
+        for replica in (victim, survivor):
+            info = f.client(replica).drafter_info()
+            assert (info["weight_version"], info["drafter_version"]) == ("w2", 7)
+            assert info["drafter_path"] == str(drafter)
+        alone = [f.client(u).generate(prompts[:4], **greedy) for u in (victim, survivor)]
+        assert [s[0].token_ids for s in alone[0]] == [s[0].token_ids for s in alone[1]]
 
 
 def _running(url: str) -> int:

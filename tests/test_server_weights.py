@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load, load_file, save
 
 from tests.test_server_harness import (
     MAX_MODEL_LEN,
@@ -102,6 +102,25 @@ def test_update_from_tensor_in_chunks(http, tiny_model_dir, other_dir, expected)
     assert resp.json()["weight_version"] == "13"
     out = generate(http)
     assert out["output_ids"] == expected["base"] and out["meta_info"]["weight_version"] == "13"
+
+
+def test_served_weights_export_and_reload_exactly(http, tiny_model_dir, other_dir,
+                                                   expected) -> None:
+    """``GET /get_weights``: what a joining replica copies from a peer."""
+    http.post("/update_weights_from_disk",
+              json={"model_path": str(other_dir), "weight_version": "peer"})
+    resp = http.get("/get_weights")
+    assert resp.status_code == 200 and resp.headers["x-weight-version"] == "peer"
+    exported = load(resp.content)
+    on_disk = load_file(other_dir / "model.safetensors")
+    assert exported.keys() <= on_disk.keys() and len(exported) >= len(on_disk) - 1
+    assert all(torch.equal(t, on_disk[k]) for k, t in exported.items())
+    # Back on the base weights, loading the export serves the peer's outputs again.
+    http.post("/update_weights_from_disk", json={"model_path": str(tiny_model_dir)})
+    assert generate(http)["output_ids"] == expected["base"]
+    assert upload(http, resp.content, 1, weight_version="peer").status_code == 200
+    out = generate(http)
+    assert out["output_ids"] == expected["other"] and out["meta_info"]["weight_version"] == "peer"
 
 
 def test_partial_tensor_update(http, other_dir) -> None:

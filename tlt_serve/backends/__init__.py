@@ -31,7 +31,7 @@ CONTROLS = (
     "info", "stats", "pause", "continue", "flush_cache",
     "update_weights_from_disk", "update_weights_from_file", "update_weight_version",
     "init_weights_update_group", "update_weights_from_distributed",
-    "destroy_weights_update_group",
+    "destroy_weights_update_group", "export_weights",
     "update_drafter_from_disk", "drafter_info", "capture_take", "drafter_target",
 )
 

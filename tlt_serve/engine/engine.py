@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from tlt_serve.capture import CaptureBuffer
 from tlt_serve.config import EngineConfig
@@ -26,7 +27,13 @@ from tlt_serve.engine.sampler import Sampler
 from tlt_serve.engine.scheduler import Emitted, Sampled, Scheduler
 from tlt_serve.engine.stats import EngineStats
 from tlt_serve.engine.weight_sync import TensorSpec, WeightSyncGroup
-from tlt_serve.models.loader import WeightError, build_model, load_weights
+from tlt_serve.models.loader import (
+    WeightError,
+    build_model,
+    checkpoint_names,
+    load_weights,
+    served_tensors,
+)
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
 from tlt_serve.sampling_params import ParamError, SamplingParams
@@ -71,6 +78,7 @@ class Engine:
             config.spec, self.model, rows, mc.max_model_len, seed=config.seed
         )
         self.capture = CaptureBuffer(config.capture, seed=config.seed)
+        self.drafter_path = config.spec.drafter if self.spec.drafter is not None else None
         self.runner = ModelRunner(self.model, self.kv, mc.device, self.spec.feature_layers)
         self.scheduler = Scheduler(
             num_rows=rows,
@@ -207,6 +215,7 @@ class Engine:
             self.spec.swap_drafter(new)
         except ValueError as err:  # DrafterError included
             return DrafterUpdate(False, str(err), self.spec.drafter_version)
+        self.drafter_path = path
         log.info("drafter %s → version %d", path, new.spec.version)
         return DrafterUpdate(True, f"serving drafter version {new.spec.version}", new.spec.version)
 
@@ -230,6 +239,14 @@ class Engine:
             drafter.refresh_head()  # a sliced draft head copies rows of the target's head
         log.info("weights updated (%d tensors) → version %s", n, self.weight_version)
         return UpdateResult(True, f"updated {n} tensors", self.weight_version)
+
+    def export_weights(self, path: str) -> int:
+        """Write the served target weights to ``path`` (safetensors, HF names, served dtype):
+        a replica joining a fleet loads them to serve exactly what its peers serve."""
+        names = checkpoint_names(self.model_path)
+        tensors = served_tensors(self.model, names)
+        save_file(tensors, path, metadata={"weight_version": self.weight_version})
+        return len(tensors)
 
     def set_weight_version(self, version: str) -> None:
         """Relabel the current weights (``/update_weight_version``); weights are untouched."""

@@ -4,8 +4,10 @@ own cores, and sglang-router in front of them at ``--host:--port``.
 Replica i listens on ``--replica-host:port+1+i`` and is pinned to its share of the cores
 this process may use (``--cores-per-replica``, default an even split), with as many torch
 threads. The router comes up first with no workers; each replica is registered once it
-answers ``/health``. A replica that exits is taken out of the router and reported, not
-restarted (a fresh start would serve its initial weights, not the fleet's). SIGTERM or
+answers ``/health``. A replica that exits is taken out of the router and started again on
+its port and cores; once it answers, it gets the fleet's current weights and drafter from a
+peer (``join.join_fleet``) before the router sends it requests. One that keeps dying
+(``MAX_RESTARTS`` starts in a row that did not last ``STABLE_S``) stays out. SIGTERM or
 SIGINT stops the replicas (their in-flight requests end with partial outputs, as one
 server's do), then the router.
 """
@@ -21,10 +23,16 @@ import time
 from dataclasses import dataclass
 from types import FrameType
 
+from tlt_serve.fleet.children import (
+    MAX_RESTARTS,
+    STABLE_S,
+    START_TIMEOUT_S,
+    die_with_parent,
+    say,
+)
+from tlt_serve.fleet.join import JoinError, join_fleet
 from tlt_serve.fleet.router_api import RouterApi, RouterError
 from tlt_serve.fleet.router_proc import POLICIES, RouterProcess, answers, router_missing
-
-START_TIMEOUT_S = 900.0  # a replica's first start may build the CPU kernels
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,9 @@ class Replica:
     url: str
     cores: tuple[int, ...]
     proc: subprocess.Popen[bytes]
+    started: float = 0.0  # time.monotonic() of the current process's start
+    restarts: int = 0  # in a row, each within STABLE_S of its start
+    joining: bool = False  # restarted, not yet behind the router
 
 
 def parse(argv: list[str]) -> FleetArgs:
@@ -90,8 +101,12 @@ def start_replica(args: FleetArgs, index: int, cores: tuple[int, ...]) -> Replic
     cmd = [sys.executable, "-m", "tlt_serve", "serve", *args.serve_flags,
            "--host", args.replica_host, "--port", str(port), "--log-level", args.log_level]
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: os.sched_setaffinity(0, cores))
-    return Replica(index, f"http://{args.replica_host}:{port}", cores, proc)
+    def pin() -> None:
+        os.sched_setaffinity(0, cores)
+        die_with_parent()
+
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=pin)
+    return Replica(index, f"http://{args.replica_host}:{port}", cores, proc, time.monotonic())
 
 
 class Fleet:
@@ -152,18 +167,43 @@ class Fleet:
     def _supervise(self) -> None:
         assert self.router is not None
         api = RouterApi(self.router.url)
-        live = list(self.replicas)
         while not self.stopping:
             if self.router.proc.poll() is not None:
                 raise RuntimeError(f"sglang-router exited with code {self.router.proc.returncode}")
-            for r in [r for r in live if r.proc.poll() is not None]:
-                live.remove(r)
-                print(f"tlt-serve fleet: replica {r.index} ({r.url}) exited with code "
-                      f"{r.proc.returncode}; taken out of the router", file=sys.stderr, flush=True)
-                api.remove(r.url)
-            if not live:
-                raise RuntimeError("every replica has exited")
+            for r in self.replicas:
+                if r.proc.poll() is not None and r.restarts <= MAX_RESTARTS:
+                    self._restart(api, r)
+                elif r.joining and answers(f"{r.url}/health"):
+                    self._join(r)
+            if all(r.restarts > MAX_RESTARTS for r in self.replicas):
+                raise RuntimeError("every replica keeps exiting")
             time.sleep(0.5)
+
+    def _restart(self, api: RouterApi, r: Replica) -> None:
+        code = r.proc.returncode
+        api.remove(r.url)
+        r.restarts = r.restarts + 1 if time.monotonic() - r.started < STABLE_S else 1
+        if r.restarts > MAX_RESTARTS:
+            say(f"replica {r.index} ({r.url}) exited with code {code} {MAX_RESTARTS} times "
+                f"within {STABLE_S:.0f} s of starting; left out of the router")
+            return
+        say(f"replica {r.index} ({r.url}) exited with code {code}; taken out of the router "
+            "and restarted")
+        r.proc = start_replica(self.args, r.index, r.cores).proc
+        r.started, r.joining = time.monotonic(), True
+
+    def _join(self, r: Replica) -> None:
+        assert self.router is not None
+        try:
+            joined = join_fleet(self.router.url, r.url)
+        except (JoinError, RouterError) as err:
+            say(f"replica {r.index} ({r.url}) could not rejoin: {err}; restarting it")
+            r.proc.kill()  # the next pass restarts it (and counts the restart)
+            r.proc.wait()
+            return
+        r.joining = False
+        say(f"replica {r.index} ({r.url}) rejoined: weight version {joined.weight_version}, "
+            f"drafter version {joined.drafter_version}")
 
     def _stop(self) -> None:
         for r in self.replicas:

@@ -17,9 +17,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
+
+from tlt_serve.fleet.children import die_with_parent
 
 ROUTER_INSTALL = "pip install sglang-router==0.3.2 (or the fleet extra)"
 POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
@@ -66,7 +69,9 @@ class RouterProcess:
                  log_level: str = "warning") -> None:
         self.url = f"http://{host}:{port}"
         self.proc = subprocess.Popen(
-            router_command(host, port, worker_urls, policy, log_level), start_new_session=True
+            router_command(host, port, worker_urls, policy, log_level), start_new_session=True,
+            preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread()
+            else None,
         )
 
     def wait_up(self, timeout: float = 60.0) -> None:

@@ -137,6 +137,31 @@ def load_weights(
     return len(plan)
 
 
+def checkpoint_names(path: str | Path) -> list[str]:
+    """Tensor names of every *.safetensors file of a directory, without reading tensors."""
+    names: list[str] = []
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
+def served_tensors(model: nn.Module, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The model's current weights under the checkpoint's HF ``names`` (the inverse of
+    ``load_weights``): loading them into a model of the same checkpoint reproduces these
+    weights exactly."""
+    cfg: ArchConfig = model.cfg  # type: ignore[assignment]  # a LlamaModel
+    params = dict(model.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        slot = param_slot(cfg, name)
+        if slot is None:
+            continue
+        param = params[slot.name].detach()
+        out[name] = (param if slot.stop is None else param[slot.start : slot.stop]).contiguous()
+    return out
+
+
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor in every *.safetensors file of a directory (or a file)."""
     path = Path(path)

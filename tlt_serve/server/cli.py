@@ -24,6 +24,7 @@ from tlt_serve.config import (
     SpecConfig,
     TrainingConfig,
 )
+from tlt_serve.fleet.join import JoinError, join_fleet
 from tlt_serve.fleet.router_api import RouterApi, RouterError
 from tlt_serve.models.provision import DEFAULT_MODEL
 from tlt_serve.server.app import build_app
@@ -228,12 +229,13 @@ class _Server(uvicorn.Server):
     def _join_router(self) -> None:
         cfg = self.server_config
         assert cfg.register is not None
-        try:
-            RouterApi(cfg.register).add(cfg.own_url, api_key=cfg.api_key)
-        except RouterError as err:  # serving goes on; the operator sees why it is not routed
-            log.error("could not register with the router: %s", err)
+        try:  # the fleet's current weights and drafter first, then requests
+            joined = join_fleet(cfg.register, cfg.own_url, api_key=cfg.api_key)
+        except (RouterError, JoinError) as err:  # serving goes on; the operator sees why
+            log.error("could not join the router's fleet: %s", err)
             return
-        print(f"tlt-serve registered {cfg.own_url} with {cfg.register}", flush=True)
+        print(f"tlt-serve registered {cfg.own_url} with {cfg.register} (weight version "
+              f"{joined.weight_version}, drafter version {joined.drafter_version})", flush=True)
 
     def _leave_router(self) -> None:
         cfg = self.server_config

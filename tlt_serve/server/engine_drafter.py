@@ -47,6 +47,7 @@ class DrafterControls:
         drafter = spec.drafter
         return {
             "drafter_version": spec.drafter_version,
+            "drafter_path": self.engine.drafter_path,
             "feature_layers": list(spec.feature_layers),
             "draft_vocab_size": None if drafter is None else drafter.spec.draft_vocab_size,
             "sliced_head": True,  # a checkpoint's draft_vocab restricts the drafts

@@ -52,7 +52,12 @@ class WeightControls:
             "init_weights_update_group": self.init_group,
             "update_weights_from_distributed": self.from_group,
             "destroy_weights_update_group": self.destroy_group,
+            "export_weights": self.export,
         }
+
+    def export(self, path: str) -> dict[str, Any]:
+        n = self.engine.export_weights(path)
+        return {"weight_version": self.engine.weight_version, "message": f"{n} tensors"}
 
     def from_disk(
         self, model_path: str, weight_version: str | None = None, abort_all: bool = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -96,6 +97,7 @@ def control_routes() -> APIRouter:
             "paused": stats.paused,
             "stats_stale": stale,
             "in_flight": st.client.in_flight(),
+            "cpus": sorted(os.sched_getaffinity(0)),  # what a fleet trainer may borrow idle
             "version": tlt_serve.__version__,
         })
 

@@ -2,15 +2,19 @@
 
 Updates are applied by the engine process between two steps: in-flight requests keep
 running and report, per sample, every weight version their steps ran under.
+``GET /get_weights`` exports the served weights (a joining replica's source).
 Responses use SGLang's shape ``{success, message, weight_version}`` (400 when not applied).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import FileResponse, Response
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from tlt_serve.engine.weight_sync import DIST_DTYPES
@@ -40,6 +44,26 @@ def weight_routes() -> APIRouter:
         st = get_state(request)
         payload = await st.client.call("info")
         return json_response({"weight_version": payload["info"].weight_version})
+
+    @router.get("/get_weights", tags=[ADMIN_TAG])
+    async def get_weights(request: Request) -> Response:
+        """The served weights (safetensors, HF names, served dtype; metadata and header
+        ``x-weight-version``): what a replica joining a fleet loads from a peer."""
+        st = get_state(request)
+        fd, name = tempfile.mkstemp(prefix="tlt-export-", suffix=".safetensors",
+                                    dir=st.uploads.directory)
+        os.close(fd)
+        try:
+            payload = await st.client.call("export_weights", path=name)
+        except ControlFailed as err:
+            os.unlink(name)
+            raise ParamError("backend", str(err)) from err
+        except BaseException:
+            os.unlink(name)
+            raise
+        headers = {"x-weight-version": str(payload["weight_version"])}
+        return FileResponse(name, media_type="application/octet-stream", headers=headers,
+                            background=BackgroundTask(os.unlink, name))
 
     @router.post(
         "/update_weight_version", tags=[ADMIN_TAG], openapi_extra=json_body(UpdateWeightVersionReq)

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 
 class VllmDrafter:
-    def __init__(self, loop: VllmLoop, spec: VllmSpec, scratch: Path) -> None:
+    def __init__(self, loop: VllmLoop, spec: VllmSpec, scratch: Path,
+                 source: str | None = None) -> None:
         self.loop = loop
         self.scratch = scratch
         model_dir = Path(loop.info.model_path)
@@ -39,6 +40,7 @@ class VllmDrafter:
         if spec.drafter_dir is not None:
             self.loaded = header(Path(spec.drafter_dir) / "model.safetensors")
         self.target_weight_version: str | None = None
+        self.path = source if spec.drafter_dir is not None else None  # the served checkpoint
 
     def handlers(self) -> dict[str, Any]:
         return {
@@ -72,6 +74,7 @@ class VllmDrafter:
             return {"success": False, "message": str(err),
                     "drafter_version": loop.drafter_version}
         loop.drafter_version = version if version is not None else spec.version
+        self.path = path
         self.target_weight_version = spec.target_weight_version
         return {"success": True, "message": f"serving drafter version {loop.drafter_version}",
                 "drafter_version": loop.drafter_version}
@@ -91,6 +94,7 @@ class VllmDrafter:
         loop, stats = self.loop, self.loop.stats
         return {
             "drafter_version": loop.drafter_version,
+            "drafter_path": self.path,
             "feature_layers": [],
             "draft_vocab_size": None if loop.drafter_version is None else 0,
             "sliced_head": False,  # vLLM's EAGLE drafts over the whole vocabulary

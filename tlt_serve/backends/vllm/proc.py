@@ -116,5 +116,5 @@ async def _serve(
         await loop.capture.start()
     loop.controls.update(BasicControls(loop).handlers())
     loop.controls.update(VllmWeights(loop, Path(info.model_path), scratch).handlers())
-    loop.controls.update(VllmDrafter(loop, spec, scratch).handlers())
+    loop.controls.update(VllmDrafter(loop, spec, scratch, config.spec.drafter).handlers())
     await loop.run()

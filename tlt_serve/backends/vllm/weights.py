@@ -101,7 +101,12 @@ class VllmWeights:
             "init_weights_update_group": self.init_group,
             "update_weights_from_distributed": self.from_group,
             "destroy_weights_update_group": self.destroy_group,
+            "export_weights": self.export,
         }
+
+    async def export(self, path: str) -> dict[str, Any]:
+        raise ControlError("export_weights: the vllm backend does not export its weights; "
+                           "update a joining replica from disk instead")
 
     async def from_disk(
         self, model_path: str, weight_version: str | None = None, abort_all: bool = False
