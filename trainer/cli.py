@@ -1,5 +1,6 @@
 """``tlt-train warmup --model M --out PATH``: train a drafter for M from M's own outputs.
-``tlt-train online --server URL --state-dir DIR``: keep a running server's drafter fresh.
+``tlt-train online --server URL --state-dir DIR``: keep a running server's drafter fresh
+(``--fleet ROUTER_URL``: one drafter for every replica behind an sglang-router).
 ``tlt-train export-vllm DRAFTER --out PATH``: the drafter as vLLM's EAGLE-1 drafter reads it."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import torch
 
 from trainer.data import PROMPT_SOURCES, DataConfig
+from trainer.fleet_link import FleetLink
 from trainer.link import LinkError, ServerLink
 from trainer.online import OnlineConfig, OnlineTrainer
 from trainer.train import TrainConfig
@@ -143,7 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
         "train the drafter while the server is idle enough, and hot-swap better drafters in.",
     )
     oc = OnlineConfig()
-    o.add_argument("--server", default=oc.server, metavar="URL")
+    where = o.add_mutually_exclusive_group()
+    where.add_argument("--server", default=oc.server, metavar="URL")
+    where.add_argument("--fleet", default=None, metavar="ROUTER_URL",
+                       help="train one drafter for every replica behind this sglang-router: "
+                       "samples from all, training while some replica is idle (on its cores "
+                       "when it is on this machine), each drafter published to all")
+    o.add_argument("--no-lend-cores", action="store_true",
+                   help="with --fleet: train on this process's own cores, not an idle "
+                   "replica's")
     o.add_argument("--state-dir", required=True, metavar="DIR", help="checkpoints + published")
     o.add_argument("--init", default=None, metavar="PATH", help="drafter to start from")
     o.add_argument("--api-key", default=os.environ.get("TLT_SERVE_API_KEY"))
@@ -205,7 +215,11 @@ def run_online(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error(str(err))
     if args.threads:
         torch.set_num_threads(args.threads)
-    link = ServerLink(cfg.server, cfg.api_key)
+    link: ServerLink | FleetLink
+    if args.fleet:
+        link = FleetLink(args.fleet, cfg.api_key, lend_cores=not args.no_lend_cores)
+    else:
+        link = ServerLink(cfg.server, cfg.api_key)
     trainer = None
     while trainer is None:  # the server may still be starting
         try:

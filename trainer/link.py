@@ -36,7 +36,28 @@ class TargetTensors:
 class ServerLink:
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 60.0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url = url.rstrip("/")
         self.http = httpx.Client(base_url=url, timeout=timeout, headers=headers)
+        self.cursor = 0  # the last captured sample pulled
+
+    def restore_cursor(self, cursor: object) -> None:
+        """A checkpoint's cursor (an int; anything else, e.g. a fleet's, starts over)."""
+        self.cursor = cursor if isinstance(cursor, int) else 0
+
+    @property
+    def pulled(self) -> int:
+        return self.cursor
+
+    def pull(self, max_bytes: int) -> list[TrainingSample]:
+        """The samples captured since the last pull (one page). A server that restarted
+        numbers its samples from 1 again: then from its first."""
+        samples, newest = self.samples(self.cursor, max_bytes)
+        if newest < self.cursor:
+            self.cursor = 0
+            samples, newest = self.samples(0, max_bytes)
+        if samples:
+            self.cursor = samples[-1].seq
+        return samples
 
     def close(self) -> None:
         self.http.close()
@@ -53,6 +74,10 @@ class ServerLink:
     def gate(self) -> Gate:
         g = self._call("GET", "/drafter/gate").json()
         return Gate(bool(g["train"]), str(g["reason"]), str(g["weight_version"]))
+
+    def server_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = self._call("GET", "/get_server_info").json()
+        return info
 
     def drafter_info(self) -> dict[str, Any]:
         info: dict[str, Any] = self._call("GET", "/get_drafter_info").json()

@@ -36,6 +36,7 @@ import torch
 from tlt_serve.speculative.checkpoint import load_drafter, save_drafter
 from tlt_serve.speculative.drafter import DrafterModel, DrafterSpec, new_drafter
 from trainer.data import build_draft_vocab
+from trainer.fleet_link import FleetLink
 from trainer.link import LinkError, ServerLink, TargetTensors
 from trainer.promote import Evaluation
 from trainer.state import load_latest, save_checkpoint
@@ -89,7 +90,7 @@ class OnlineConfig:
 
 
 class OnlineTrainer:
-    def __init__(self, cfg: OnlineConfig, link: ServerLink) -> None:
+    def __init__(self, cfg: OnlineConfig, link: ServerLink | FleetLink) -> None:
         cfg.validate()
         self.cfg = cfg
         self.link = link
@@ -99,7 +100,6 @@ class OnlineTrainer:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self.micro = 0
-        self.cursor = 0  # last captured sample pulled
         self.published_version = 0
         self.target_version = ""
         self.last_pull = float("-inf")
@@ -137,11 +137,12 @@ class OnlineTrainer:
             spec = DrafterSpec(**{**payload["spec"], "feature_layers": layers})
             drafter = new_drafter(self.stub, spec, self.cfg.seed)
             drafter.load_state_dict(payload["drafter"])
-            self.step, self.cursor = int(payload["step"]), int(payload["cursor"])
+            self.step = int(payload["step"])
+            self.link.restore_cursor(payload["cursor"])
             self.published_version = int(payload["published_version"])
             self._resume_opt = payload["optimizer"]
             self.resumed_from = (str(path), self.step)
-            log.info("resumed from %s (step %d, cursor %d)", path, self.step, self.cursor)
+            log.info("resumed from %s (step %d, cursor %s)", path, self.step, payload["cursor"])
         elif self.cfg.init:
             drafter = load_drafter(self.cfg.init, self.stub)
             self.published_version = max(drafter.spec.version, info.get("drafter_version") or 0)
@@ -218,14 +219,13 @@ class OnlineTrainer:
         return "trained"
 
     # ---- data --------------------------------------------------------------------------
+    @property
+    def cursor(self) -> int:
+        """Captured samples pulled so far (the server's sequence number; a fleet's sum)."""
+        return self.link.pulled
+
     def _pull(self) -> int:
-        samples, newest = self.link.samples(self.cursor, self.cfg.pull_max_bytes)
-        if newest < self.cursor:  # the server restarted: its numbering starts again
-            self.cursor = 0
-            samples, newest = self.link.samples(0, self.cfg.pull_max_bytes)
-        if samples:
-            self.cursor = samples[-1].seq
-        return self.store.add(samples)
+        return self.store.add(self.link.pull(self.cfg.pull_max_bytes))
 
     def _refresh_target(self, target: TargetTensors) -> None:
         update_stub(self.stub, target.tensors)
@@ -328,7 +328,7 @@ class OnlineTrainer:
                 "spec": dataclasses.asdict(self.drafter.spec),
                 "optimizer": self.opt.state_dict(),
                 "step": self.step,
-                "cursor": self.cursor,
+                "cursor": self.link.cursor,
                 "published_version": self.published_version,
             },
         )
