@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,6 +44,9 @@ def read_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 300) ->
         return line.startswith(prefix)
 
     wait_for(seen, timeout=timeout, interval=0)
+    # Keep the pipe drained from here on: a full pipe blocks the router's logging (it shares
+    # the launcher's stdout), and a blocked router answers nothing.
+    threading.Thread(target=lambda: proc.stdout and proc.stdout.read(), daemon=True).start()
     return lines[-1]
 
 
@@ -83,6 +87,22 @@ def fleet(tiny_model_dir: Path, tiny_drafter_dir: Path
         proc.wait(30)
 
 
+def routed(url: str, n: int) -> list[dict]:
+    """``n`` requests (rids r0..) through the router, 16 at a time; each answered once."""
+    def one(i: int) -> dict:
+        body = {"input_ids": [5, 9, 23, i % 50 + 1], "rid": f"r{i}",
+                "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": i}}
+        r = httpx.post(f"{url}/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(one, range(n)))
+    assert all(o["output_ids"] for o in outs)
+    assert sorted(o["meta_info"]["id"] for o in outs) == sorted(f"r{i}" for i in range(n))
+    return outs
+
+
 def test_cores_split_evenly_or_as_asked() -> None:
     assert split_cores([0, 1, 2, 3], 2, None) == [(0, 1), (2, 3)]
     assert split_cores([0, 1, 2, 3], 3, 1) == [(0,), (1,), (2,)]
@@ -95,16 +115,7 @@ def test_fleet_serves_through_the_router_and_stops_cleanly(fleet) -> None:
     replicas = RouterApi(url).workers()
     assert len(replicas) == 2 and all(w.healthy for w in replicas)
 
-    def one(i: int) -> dict:
-        body = {"input_ids": [5, 9, 23, i % 50 + 1], "rid": f"r{i}",
-                "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": i}}
-        r = httpx.post(f"{url}/generate", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    with ThreadPoolExecutor(16) as pool:
-        outs = list(pool.map(one, range(64)))
-    assert sorted(o["meta_info"]["id"] for o in outs) == sorted(f"r{i}" for i in range(64))
+    routed(url, 64)
     served = [httpx.get(f"{w.url}/get_server_info").json()["stats"]["requests"]
               for w in replicas]
     assert sum(served) == 64 and min(served) > 0  # both replicas took requests
@@ -149,8 +160,7 @@ def test_a_replica_killed_mid_rollout_loses_no_sample_and_rejoins_current(
         assert f.update_weights_from_disk(str(tiny_model_factory(seed=2)), "w2") == "w2"
         assert f.update_drafter_from_disk(str(drafter), version=7) == 7
         victim, survivor = f.replicas()
-        pid = next(p for p in children(proc.pid)
-                   if f"--port {victim.rsplit(':', 1)[1]}" in _cmdline(p))
+        pid = _pid_on(proc.pid, victim)
         prompts = [[5, 9, 23, i + 1] for i in range(64)]
         with ThreadPoolExecutor(1) as pool:
             rollout = pool.submit(f.generate, prompts, n=1, max_new_tokens=48, ignore_eos=True)
@@ -161,13 +171,20 @@ def test_a_replica_killed_mid_rollout_loses_no_sample_and_rejoins_current(
         assert len(groups) == 64 and all(len(g) == 1 for g in groups)
         assert all(len(g[0].token_ids) == 48 for g in groups)  # whole samples, none partial
         # The launcher restarts it; it comes back serving what the fleet serves.
-        wait_for(lambda: f.replicas() == sorted([victim, survivor]), timeout=300, interval=0.5)
+        wait_for(lambda: pid not in children(proc.pid) and _pid_on(proc.pid, victim)
+                 and f.replicas() == sorted([victim, survivor]), timeout=300, interval=0.5)
         for replica in (victim, survivor):
             info = f.client(replica).drafter_info()
             assert (info["weight_version"], info["drafter_version"]) == ("w2", 7)
             assert info["drafter_path"] == str(drafter)
         alone = [f.client(u).generate(prompts[:4], **greedy) for u in (victim, survivor)]
         assert [s[0].token_ids for s in alone[0]] == [s[0].token_ids for s in alone[1]]
+
+
+def _pid_on(launcher: int, url: str) -> int | None:
+    """The launcher's child process serving ``url``."""
+    port = url.rsplit(":", 1)[1]
+    return next((p for p in children(launcher) if f"--port {port}" in _cmdline(p)), None)
 
 
 def _running(url: str) -> int:

@@ -13,18 +13,16 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.test_fleet import free_run, read_line, tiny_flags
+from tests.test_fleet import free_run, read_line, routed, tiny_flags
 from tests.test_server_harness import wait_for
-from tests.test_server_lifecycle import running
+from tests.test_server_lifecycle import group, running
 from tlt_serve.fleet.router_api import RouterApi
 from tlt_serve.fleet.router_proc import free_port
 
@@ -35,19 +33,6 @@ RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def _group(pgid: int) -> list[int]:
-    """Live pids in process group ``pgid``."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _end_group(pgid: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -55,7 +40,7 @@ def _end_group(pgid: int) -> None:
         except ProcessLookupError:
             return
         try:
-            wait_for(lambda: not _group(pgid), timeout=15, interval=0.2)
+            wait_for(lambda: not group(pgid), timeout=15, interval=0.2)
             return
         except AssertionError:
             continue
@@ -105,8 +90,6 @@ def ray_fleet(ray_address: str, tiny_model_dir: Path, tmp_path: Path) -> Iterato
         )
     try:
         ready = read_line(proc, "tlt-serve fleet ready", timeout=400)
-        # Ray forwards the actors' output here: keep the pipe drained.
-        threading.Thread(target=lambda: proc.stdout and proc.stdout.read(), daemon=True).start()
         found = re.fullmatch(r"tlt-serve fleet ready: (\S+) \(2 replicas: (.*)\)\n", ready)
         assert found, ready
         replicas.update((u, int(p)) for u, p in re.findall(r"(http://\S+) \(pid (\d+)\)", found[2]))
@@ -121,21 +104,6 @@ def ray_fleet(ray_address: str, tiny_model_dir: Path, tmp_path: Path) -> Iterato
             os.kill(pid, signal.SIGKILL)
 
 
-def _generate(url: str, n: int) -> list[dict]:
-    def one(i: int) -> dict:
-        body = {"input_ids": [5, 9, 23, i % 50 + 1], "rid": f"r{i}",
-                "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": i}}
-        r = httpx.post(f"{url}/generate", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    with ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(one, range(n)))
-    assert all(o["output_ids"] for o in outs)
-    assert sorted(o["meta_info"]["id"] for o in outs) == sorted(f"r{i}" for i in range(n))
-    return outs
-
-
 def _served(url: str) -> int:
     return int(httpx.get(f"{url}/get_server_info", timeout=10).json()["stats"]["requests"])
 
@@ -144,14 +112,14 @@ def test_ray_fleet_serves_through_the_router_and_stops_cleanly(ray_fleet: RayFle
     f = ray_fleet
     workers = RouterApi(f.url).workers()
     assert {w.url for w in workers} == set(f.replicas) and all(w.healthy for w in workers)
-    _generate(f.url, 32)
+    routed(f.url, 32)
     served = [_served(u) for u in f.replicas]
     assert sum(served) == 32 and min(served) > 0  # both replicas took requests
 
     os.killpg(f.proc.pid, signal.SIGTERM)
     assert f.proc.wait(120) == 0
     wait_for(lambda: not any(running(p) for p in f.replicas.values()), timeout=30)
-    assert not _group(f.proc.pid)  # the router too
+    assert not group(f.proc.pid)  # the router too
 
 
 def _ppid(pid: int) -> int:
@@ -176,14 +144,14 @@ def test_a_dead_replica_leaves_the_router_and_rejoins_restarted(ray_fleet: RayFl
     wait_for(lambda: said in f.stderr.read_text(), timeout=30, interval=0.2)
     assert victim not in {w.url for w in RouterApi(f.url).workers()}
     before = _served(survivor)
-    _generate(f.url, 16)  # the other replica serves meanwhile
+    routed(f.url, 16)  # the other replica serves meanwhile
     assert _served(survivor) > before
 
     new, new_pid = _rejoined(f, index, 0)
     assert new_pid != pid and running(new_pid)
     wait_for(lambda: {w.url for w in RouterApi(f.url).workers() if w.healthy} == {survivor, new},
              timeout=30, interval=0.2)
-    _generate(f.url, 16)
+    routed(f.url, 16)
     assert _served(new) > 0
 
     # The other replica's actor dies: its replica goes with it, and a new one rejoins.
@@ -194,7 +162,7 @@ def test_a_dead_replica_leaves_the_router_and_rejoins_restarted(ray_fleet: RayFl
     assert f"({survivor}) its actor died" in f.stderr.read_text()[seen:]
     wait_for(lambda: {w.url for w in RouterApi(f.url).workers() if w.healthy} == {new, other},
              timeout=30, interval=0.2)
-    _generate(f.url, 8)
+    routed(f.url, 8)
 
     os.killpg(f.proc.pid, signal.SIGTERM)
     assert f.proc.wait(120) == 0

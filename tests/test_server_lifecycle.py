@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -122,13 +123,23 @@ def test_cli_serves_and_sigterm_aborts_in_flight(tiny_model_dir) -> None:
 
 def children(pid: int) -> list[int]:
     """Pids whose parent is ``pid`` (Linux /proc)."""
+    return procs(lambda fields: int(fields[1]) == pid)
+
+
+def group(pgid: int) -> list[int]:
+    """Live (not zombie) pids in process group ``pgid``."""
+    return procs(lambda fields: int(fields[2]) == pgid and fields[0] != "Z")
+
+
+def procs(where: Callable[[list[str]], bool]) -> list[int]:
+    """Pids whose /proc stat fields after the name (state, ppid, pgrp, ...) match."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if where(fields):
             found.append(int(stat.parent.name))
     return found
 

@@ -7,7 +7,7 @@ threads. The router comes up first with no workers; each replica is registered o
 answers ``/health``. A replica that exits is taken out of the router and started again on
 its port and cores; once it answers, it gets the fleet's current weights and drafter from a
 peer (``join.join_fleet``) before the router sends it requests. One that keeps dying
-(``MAX_RESTARTS`` starts in a row that did not last ``STABLE_S``) stays out. SIGTERM or
+(``children.Life``) stays out. SIGTERM or
 SIGINT stops the replicas (their in-flight requests end with partial outputs, as one
 server's do), then the router.
 """
@@ -21,17 +21,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from types import FrameType
 
-from tlt_serve.fleet.children import (
-    MAX_RESTARTS,
-    STABLE_S,
-    START_TIMEOUT_S,
-    die_with_parent,
-    say,
-)
-from tlt_serve.fleet.join import JoinError, join_fleet
-from tlt_serve.fleet.router_api import RouterApi, RouterError
+from tlt_serve.fleet.children import START_TIMEOUT_S, Launcher, Life, die_with_parent
+from tlt_serve.fleet.router_api import RouterApi
 from tlt_serve.fleet.router_proc import POLICIES, RouterProcess, answers, router_missing
 
 
@@ -53,9 +45,7 @@ class Replica:
     url: str
     cores: tuple[int, ...]
     proc: subprocess.Popen[bytes]
-    started: float = 0.0  # time.monotonic() of the current process's start
-    restarts: int = 0  # in a row, each within STABLE_S of its start
-    joining: bool = False  # restarted, not yet behind the router
+    life: Life
 
 
 def parse(argv: list[str]) -> FleetArgs:
@@ -106,32 +96,16 @@ def start_replica(args: FleetArgs, index: int, cores: tuple[int, ...]) -> Replic
         die_with_parent()
 
     proc = subprocess.Popen(cmd, env=env, preexec_fn=pin)
-    return Replica(index, f"http://{args.replica_host}:{port}", cores, proc, time.monotonic())
+    return Replica(index, f"http://{args.replica_host}:{port}", cores, proc,
+                   Life(f"replica {index}"))
 
 
-class Fleet:
+class Fleet(Launcher):
     def __init__(self, args: FleetArgs) -> None:
+        super().__init__()
         self.args = args
-        self.stopping = False
         self.router: RouterProcess | None = None
         self.replicas: list[Replica] = []
-
-    def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-        try:
-            self._start()
-            if not self.stopping:
-                self._supervise()
-            return 0
-        except (RuntimeError, RouterError, ValueError) as err:
-            print(f"tlt-serve fleet: {err}", file=sys.stderr, flush=True)
-            return 1
-        finally:
-            self._stop()
-
-    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
-        self.stopping = True
 
     def _start(self) -> None:
         a = self.args
@@ -171,39 +145,18 @@ class Fleet:
             if self.router.proc.poll() is not None:
                 raise RuntimeError(f"sglang-router exited with code {self.router.proc.returncode}")
             for r in self.replicas:
-                if r.proc.poll() is not None and r.restarts <= MAX_RESTARTS:
-                    self._restart(api, r)
-                elif r.joining and answers(f"{r.url}/health"):
-                    self._join(r)
-            if all(r.restarts > MAX_RESTARTS for r in self.replicas):
+                if r.proc.poll() is not None and not r.life.left_out:
+                    api.remove(r.url)
+                    if r.life.died(r.url, f"exited with code {r.proc.returncode}"):
+                        r.proc = start_replica(self.args, r.index, r.cores).proc
+                        r.life.restarted()
+                elif (r.life.joining and answers(f"{r.url}/health")
+                      and not r.life.rejoin(self.router.url, r.url)):
+                    r.proc.kill()  # the next pass restarts it (and counts the restart)
+                    r.proc.wait()
+            if all(r.life.left_out for r in self.replicas):
                 raise RuntimeError("every replica keeps exiting")
             time.sleep(0.5)
-
-    def _restart(self, api: RouterApi, r: Replica) -> None:
-        code = r.proc.returncode
-        api.remove(r.url)
-        r.restarts = r.restarts + 1 if time.monotonic() - r.started < STABLE_S else 1
-        if r.restarts > MAX_RESTARTS:
-            say(f"replica {r.index} ({r.url}) exited with code {code} {MAX_RESTARTS} times "
-                f"within {STABLE_S:.0f} s of starting; left out of the router")
-            return
-        say(f"replica {r.index} ({r.url}) exited with code {code}; taken out of the router "
-            "and restarted")
-        r.proc = start_replica(self.args, r.index, r.cores).proc
-        r.started, r.joining = time.monotonic(), True
-
-    def _join(self, r: Replica) -> None:
-        assert self.router is not None
-        try:
-            joined = join_fleet(self.router.url, r.url)
-        except (JoinError, RouterError) as err:
-            say(f"replica {r.index} ({r.url}) could not rejoin: {err}; restarting it")
-            r.proc.kill()  # the next pass restarts it (and counts the restart)
-            r.proc.wait()
-            return
-        r.joining = False
-        say(f"replica {r.index} ({r.url}) rejoined: weight version {joined.weight_version}, "
-            f"drafter version {joined.drafter_version}")
 
     def _stop(self) -> None:
         for r in self.replicas:

@@ -15,9 +15,9 @@ replica is registered once it answers ``/health``. A replica whose process exits
 actor or node dies, is taken out of the router and started again in a new actor (placed as
 the first was, so maybe on another node, on another port); once it answers, it gets the
 fleet's current weights and drafter from a peer (``join.join_fleet``) before the router
-sends it requests. One that keeps dying (``launch.MAX_RESTARTS`` starts in a row that did
-not last ``launch.STABLE_S``) stays out. The replica process gets SIGTERM when its actor's
-process dies, so a lost driver or actor leaves no replica behind. SIGTERM or SIGINT stops
+sends it requests. One that keeps dying stays out (``children.Life``). The replica process
+gets SIGTERM when its actor's process dies, so a lost driver or actor leaves no replica
+behind. SIGTERM or SIGINT stops
 the replicas (SIGTERM through their actors), kills the actors, then stops the router and
 exits 0.
 """
@@ -31,19 +31,11 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from types import FrameType
+from dataclasses import dataclass, field
 from typing import Any
 
-from tlt_serve.fleet.children import (
-    MAX_RESTARTS,
-    STABLE_S,
-    START_TIMEOUT_S,
-    die_with_parent,
-    say,
-)
-from tlt_serve.fleet.join import JoinError, join_fleet
-from tlt_serve.fleet.router_api import RouterApi, RouterError
+from tlt_serve.fleet.children import START_TIMEOUT_S, Launcher, Life, die_with_parent, say
+from tlt_serve.fleet.router_api import RouterApi
 from tlt_serve.fleet.router_proc import POLICIES, RouterProcess, answers, free_port, router_missing
 
 RAY_INSTALL = "pip install ray==2.60.0 (or the ray extra)"
@@ -142,15 +134,13 @@ class Replica:
     actor: Any = None  # a ray ActorHandle of ReplicaProcess
     url: str = ""  # "" until the actor is placed and has started the replica
     pid: int = 0  # the replica process's, on its node
-    started: float = 0.0  # time.monotonic() of the current actor's creation
-    restarts: int = 0  # in a row, each within STABLE_S of its start
-    joining: bool = False  # restarted, not yet behind the router
+    life: Life = field(default_factory=lambda: Life("replica"))
 
 
-class RayFleet:
+class RayFleet(Launcher):
     def __init__(self, args: RayFleetArgs) -> None:
+        super().__init__()
         self.args = args
-        self.stopping = False
         self.router: RouterProcess | None = None
         self.replicas: list[Replica] = []
         self.pg: Any = None
@@ -164,22 +154,10 @@ class RayFleet:
         except ConnectionError as err:
             say(f"no Ray cluster at {self.args.address!r}: {err}")
             return 1
-        for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets its own
-            signal.signal(sig, self._on_signal)
-        try:
-            self._start()
-            if not self.stopping:
-                self._supervise()
-            return 0
-        except (RuntimeError, RouterError, ValueError) as err:
-            say(str(err))
-            return 1
+        try:  # the signal handlers go in after ray.init, which sets its own
+            return super().run()
         finally:
-            self._stop()
             ray.shutdown()
-
-    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
-        self.stopping = True
 
     def _place(self) -> list[dict[str, Any]]:
         """Each actor's Ray options; raises ValueError when the cluster is too small."""
@@ -218,7 +196,7 @@ class RayFleet:
         a = self.args
         r.actor = self.actor_cls.options(**r.opts).remote(list(a.serve_flags), a.cpus,
                                                           a.log_level)
-        r.url, r.pid, r.started = "", 0, time.monotonic()
+        r.url, r.pid, r.life.started = "", 0, time.monotonic()
 
     def _located(self, r: Replica) -> bool:
         """Whether the replica's actor runs and has said where its replica listens."""
@@ -240,7 +218,8 @@ class RayFleet:
         self.router.wait_up()
         api = RouterApi(self.router.url)
         self.actor_cls = ray.remote(ReplicaProcess)
-        self.replicas = [Replica(i, opts) for i, opts in enumerate(self._place())]
+        self.replicas = [Replica(i, opts, life=Life(f"replica {i}"))
+                         for i, opts in enumerate(self._place())]
         for r in self.replicas:
             self._spawn(r)
         pending = {r.index for r in self.replicas}
@@ -284,13 +263,14 @@ class RayFleet:
             if self.router.proc.poll() is not None:
                 raise RuntimeError(f"sglang-router exited with code {self.router.proc.returncode}")
             for r in self.replicas:
-                if r.restarts > MAX_RESTARTS or not self._located(r):
+                if r.life.left_out or not self._located(r):
                     continue  # left out, or its new actor is not placed yet
                 if (how := self._gone(r)) is not None:
                     self._restart(api, r, how)
-                elif r.joining and answers(f"{r.url}/health"):
-                    self._join(api, r)
-            if all(r.restarts > MAX_RESTARTS for r in self.replicas):
+                elif (r.life.joining and answers(f"{r.url}/health")
+                      and not r.life.rejoin(self.router.url, r.url, f"{r.url} (pid {r.pid})")):
+                    self._restart(api, r, "could not rejoin")
+            if all(r.life.left_out for r in self.replicas):
                 raise RuntimeError("every replica keeps exiting")
             time.sleep(0.5)
 
@@ -299,25 +279,9 @@ class RayFleet:
 
         api.remove(r.url)
         ray.kill(r.actor)  # a replica whose actor lives on still holds its resources
-        r.restarts = r.restarts + 1 if time.monotonic() - r.started < STABLE_S else 1
-        if r.restarts > MAX_RESTARTS:
-            say(f"replica {r.index} ({r.url}) {how}, {MAX_RESTARTS} times within "
-                f"{STABLE_S:.0f} s of starting; left out of the router")
-            return
-        say(f"replica {r.index} ({r.url}) {how}; taken out of the router and restarted")
-        self._spawn(r)
-        r.joining = True
-
-    def _join(self, api: RouterApi, r: Replica) -> None:
-        assert self.router is not None
-        try:
-            joined = join_fleet(self.router.url, r.url)
-        except (JoinError, RouterError) as err:
-            self._restart(api, r, f"could not rejoin: {err}")
-            return
-        r.joining = False
-        say(f"replica {r.index} rejoined as {r.url} (pid {r.pid}): weight version "
-            f"{joined.weight_version}, drafter version {joined.drafter_version}")
+        if r.life.died(r.url, how):
+            self._spawn(r)
+            r.life.restarted()
 
     def _stop(self) -> None:
         import ray
