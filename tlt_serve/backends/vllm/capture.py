@@ -47,6 +47,9 @@ class VllmCapture:
         self.live: dict[str, _Live] = {}  # drawn samples in flight, by our sample rid
         self.done: list[tuple[str, _Live, int | None]] = []  # finished, to fetch
         self.dropped: list[str] = []  # internal ids the worker may forget
+        # One fetch at a time (the periodic one and a trainer's pull): they share the file
+        # the worker writes, and a pull must find what an ongoing fetch takes in the buffer.
+        self.fetching = asyncio.Lock()
 
     async def start(self) -> None:
         if not await self.loop.rpc("tlt_capture_start"):
@@ -84,6 +87,10 @@ class VllmCapture:
                 log.exception("capture fetch failed")
 
     async def fetch(self) -> None:
+        async with self.fetching:
+            await self._fetch()
+
+    async def _fetch(self) -> None:
         done, self.done = self.done, []
         dropped, self.dropped = self.dropped, []
         if dropped:
