@@ -83,7 +83,8 @@ def test_completion_stream(sdk, model) -> None:
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
-    assert finishes[-1] == full.choices[0].finish_reason and set(finishes[:-1]) == {None}
+    # A loaded machine may deliver every token in one chunk: then no chunk precedes it.
+    assert finishes[-1] == full.choices[0].finish_reason and set(finishes[:-1]) <= {None}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
 
