@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from benchmarks import report
-from benchmarks.fleet_rollout import rollout, start_fleet
+from benchmarks.fleet_rollout import rollout, rollout_parser, start_fleet
 from clients.fleet import Fleet
 from clients.tasks import make_problems, prompt_ids
 from tlt_serve.models.loader import build_model
@@ -79,14 +79,8 @@ def plot(result: dict[str, Any], png: Path) -> None:
 
 
 def main() -> None:
-    p = report.parser(__doc__)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--max-len", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p = rollout_parser(__doc__, "benchmarks/results/fleet_adapt.json")
     p.add_argument("--publish-timeout", type=float, default=900.0)
-    p.add_argument("--out", default="benchmarks/results/fleet_adapt.json")
     a = p.parse_args()
     model_dir = resolve_model_path("smollm2-135m")
     prompts = prompt_ids(load_tokenizer(model_dir), make_problems(a.prompts, a.seed))

@@ -18,6 +18,7 @@ and the replica must rejoin on the fleet's weight version.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -137,15 +138,21 @@ def plot(result: dict[str, Any], png: Path) -> None:
     report.save(fig, png)
 
 
-def main() -> None:
-    p = report.parser(__doc__)
+def rollout_parser(doc: str | None, out: str) -> argparse.ArgumentParser:
+    """The fleet benchmarks' rollout: replicas, prompts x n samples, length, seed, output."""
+    p = report.parser(doc)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-len", type=int, default=256)
-    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results/fleet_rollout.json")
+    p.add_argument("--out", default=out)
+    return p
+
+
+def main() -> None:
+    p = rollout_parser(__doc__, "benchmarks/results/fleet_rollout.json")
+    p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args()
     tok = load_tokenizer(resolve_model_path("smollm2-135m"))
     prompts = prompt_ids(tok, make_problems(a.prompts, a.seed))

@@ -50,6 +50,12 @@ class _Http:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, timeout=timeout)
 
+    def __enter__(self) -> _Http:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.http.close()
+
     def get(self, url: str) -> Any:
         return self._ok(self.http.get(url), url).json()
 
@@ -71,7 +77,11 @@ class _Http:
 def sync_from(peer: str, url: str, api_key: str | None = None,
               timeout: float = 600.0) -> Joined:
     """Make the replica at ``url`` serve the weights and drafter ``peer`` serves."""
-    http = _Http(api_key, timeout)
+    with _Http(api_key, timeout) as http:
+        return _sync(http, peer, url)
+
+
+def _sync(http: _Http, peer: str, url: str) -> Joined:
     try:
         want_w, want_d, path = http.versions(peer)
         have_w, have_d, _ = http.versions(url)
@@ -91,8 +101,6 @@ def sync_from(peer: str, url: str, api_key: str | None = None,
         return Joined(url, peer, want_w, want_d, copied_w, copied_d)
     except httpx.HTTPError as err:
         raise JoinError(f"copying from {peer} to {url}: {type(err).__name__}: {err}") from err
-    finally:
-        http.http.close()
 
 
 def _copy_weights(http: _Http, peer: str, url: str) -> None:
@@ -122,30 +130,19 @@ def join_fleet(router_url: str, url: str, api_key: str | None = None,
     router = RouterApi(router_url)
     url = url.rstrip("/")
     joined: Joined | None = None
-    for _ in range(rounds):
-        peers = sorted(w.url for w in router.workers() if w.healthy and w.url != url)
-        if not peers:
-            http = _Http(api_key, timeout)
-            try:
+    with _Http(api_key, timeout) as http:
+        for _ in range(rounds):
+            peers = sorted(w.url for w in router.workers() if w.healthy and w.url != url)
+            if peers:
+                joined = _sync(http, peers[0], url)
+            else:
                 w, d, _ = http.versions(url)
-            finally:
-                http.http.close()
-            joined = Joined(url, None, w, d, False, False)
-        else:
-            joined = sync_from(peers[0], url, api_key, timeout)
-        router.add(url, api_key=api_key)
-        router.wait_healthy([url], timeout=60)
-        if joined.peer is None or _agrees(joined.peer, url, api_key):
-            log.info("joined %s: %s", router_url, joined)
-            return joined
-        router.remove(url)  # an update went out meanwhile: copy again
+                joined = Joined(url, None, w, d, False, False)
+            router.add(url, api_key=api_key)
+            router.wait_healthy([url], timeout=60)
+            if joined.peer is None or http.versions(joined.peer)[:2] == http.versions(url)[:2]:
+                log.info("joined %s: %s", router_url, joined)
+                return joined
+            router.remove(url)  # an update went out meanwhile: copy again
     raise JoinError(f"{url}: the fleet's versions kept changing while it joined "
                     f"({rounds} rounds); last copy {joined}")
-
-
-def _agrees(peer: str, url: str, api_key: str | None) -> bool:
-    http = _Http(api_key, 30.0)
-    try:
-        return http.versions(peer)[:2] == http.versions(url)[:2]
-    finally:
-        http.http.close()
