@@ -163,13 +163,15 @@ def test_a_replica_killed_mid_rollout_loses_no_sample_and_rejoins_current(
         pid = _pid_on(proc.pid, victim)
         prompts = [[5, 9, 23, i + 1] for i in range(64)]
         with ThreadPoolExecutor(1) as pool:
-            rollout = pool.submit(f.generate, prompts, n=1, max_new_tokens=48, ignore_eos=True)
+            # Long enough (64 x 192 tokens) that a loaded machine cannot finish it before the
+            # poll below sees the victim running.
+            rollout = pool.submit(f.generate, prompts, n=1, max_new_tokens=192, ignore_eos=True)
             wait_for(lambda: _running(victim) > 0 or rollout.done(), timeout=30, interval=0.01)
             assert not rollout.done(), rollout.result()
             os.kill(pid, signal.SIGKILL)
             groups = rollout.result(timeout=300)
         assert len(groups) == 64 and all(len(g) == 1 for g in groups)
-        assert all(len(g[0].token_ids) == 48 for g in groups)  # whole samples, none partial
+        assert all(len(g[0].token_ids) == 192 for g in groups)  # whole samples, none partial
         # The launcher restarts it; it comes back serving what the fleet serves.
         wait_for(lambda: pid not in children(proc.pid) and _pid_on(proc.pid, victim)
                  and f.replicas() == sorted([victim, survivor]), timeout=300, interval=0.5)
