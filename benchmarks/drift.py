@@ -67,6 +67,9 @@ def _stage(cfg: DriftConfig, prev: Path, base: Path, out: Path, k: int, key: dic
     eos = tok.hf.eos_token_id
     losses = []
     t0 = time.perf_counter()
+    # AdamW's second moments start as tiny squares of gradients: denormal floats, which
+    # x86 computes ~5x slower (measured: 50 s vs 10 s a step on 2 cores). Flushed to zero.
+    torch.set_flush_denormal(True)
     bar = tqdm(range(cfg.steps), desc=f"drift v{k} (style {k - 1})")
     for step in bar:
         chunk = problems[step * cfg.batch : (step + 1) * cfg.batch]

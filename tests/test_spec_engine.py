@@ -47,7 +47,11 @@ def drafters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def spec_configs(drafters: dict[str, Path], **kw: int) -> dict[str, SpecConfig]:
-    out = {"ngram": SpecConfig(method="ngram", **kw)}
+    out = {
+        "ngram": SpecConfig(method="ngram", **kw),
+        "suffix": SpecConfig(method="suffix", num_draft_tokens=8, **kw),
+        "suffix-tree": SpecConfig(method="suffix", tree_topk=3, verify_budget=10, **kw),
+    }
     for name, path in drafters.items():
         out[f"drafter-{name}"] = SpecConfig(
             method="drafter",
@@ -62,6 +66,7 @@ def spec_configs(drafters: dict[str, Path], **kw: int) -> dict[str, SpecConfig]:
         method="auto",
         drafter=str(drafters["plain"]),
         auto_trees=((4, 2, 8),),
+        suffix_trees=((6, 3, 10),),
         min_draft_confidence=0.0,
         **kw,
     )
@@ -77,7 +82,9 @@ def varied_params() -> list[SamplingParams]:
 
 
 @pytest.mark.parametrize(
-    "name", ["ngram", "drafter-plain", "drafter-fused", "drafter-sliced", "tree", "auto"]
+    "name",
+    ["ngram", "suffix", "suffix-tree", "drafter-plain", "drafter-fused", "drafter-sliced",
+     "tree", "auto"],
 )
 def test_greedy_output_and_logprobs_equal_plain_decoding(tiny_model_dir, drafters, name) -> None:
     params = varied_params()
@@ -119,7 +126,7 @@ def test_bf16_greedy_with_the_own_kernels_is_bitwise_plain_decoding(
     configs = spec_configs(drafters, max_batch=8)
     # A tree of 4 nodes + root per request: 25 verify rows, within the product's 32.
     configs["tree"] = replace(configs["tree"], tree_topk=2, verify_budget=4)
-    for name in ("ngram", "drafter-plain", "tree"):
+    for name in ("ngram", "suffix", "drafter-plain", "tree"):
         llm = make_llm(tiny_model_dir, configs[name], dtype="bfloat16")
         got = llm.generate(PROMPTS, params)
         stats = llm.engine.stats
@@ -139,7 +146,7 @@ def test_switching_on_and_off_mid_generation_stays_exact(tiny_model_dir, drafter
     plain_eng = make_llm(tiny_model_dir).engine
     ids = [plain_eng.tokenizer.encode(p) for p in PROMPTS]
     plain = run_staged(plain_eng, ids, params)
-    for spec in (configs[n] for n in ("ngram", "drafter-fused", "tree", "auto")):
+    for spec in (configs[n] for n in ("ngram", "suffix-tree", "drafter-fused", "tree", "auto")):
         eng = make_llm(tiny_model_dir, spec).engine
         run = run_staged(eng, ids, params)
         assert run.ids(len(PROMPTS)) == plain.ids(len(PROMPTS)), spec
@@ -147,11 +154,11 @@ def test_switching_on_and_off_mid_generation_stays_exact(tiny_model_dir, drafter
         assert eng.stats.prefill_steps == plain_eng.stats.prefill_steps, spec
 
 
-def test_auto_asks_ngram_first_and_never_chooses_it_without_drafts(
+def test_auto_asks_suffix_first_and_never_chooses_it_without_drafts(
     tiny_model_dir, drafters, monkeypatch
 ) -> None:
-    """Under auto the n-gram drafts are looked up before the policy chooses: on steps where it
-    has none, no n-gram arm is chosen; output stays exact."""
+    """Under auto the suffix drafts are looked up before the policy chooses: on steps where it
+    has none, no suffix arm (nor the combination) is chosen; output stays exact."""
     params = varied_params()
     plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
     llm = make_llm(tiny_model_dir, spec_configs(drafters, max_batch=8)["auto"])
@@ -167,11 +174,39 @@ def test_auto_asks_ngram_first_and_never_chooses_it_without_drafts(
     monkeypatch.setattr(policy, "choose", spy)
     out = llm.generate(PROMPTS, params)
     assert [o.samples[0].token_ids for o in out] == [r.samples[0].token_ids for r in plain]
-    idle = [arm for ctx, arm in seen if ctx == ("ngram",)]
+    idle = [arm for ctx, arm in seen if ctx == ("suffix", "suffix+drafter")]
     with_drafts = [arm for ctx, arm in seen if ctx == ()]
     assert idle and with_drafts  # both contexts occur on these prompts
-    assert all(arm.proposer != "ngram" for arm in idle)
-    assert any(arm.proposer == "ngram" for arm in with_drafts)
+    assert all(arm.proposer not in ("suffix", "suffix+drafter") for arm in idle)
+    assert any(arm.proposer == "suffix" for arm in with_drafts)
+
+
+def test_the_combination_drafts_suffix_where_it_can_and_the_drafter_elsewhere(
+    tiny_model_dir, drafters, monkeypatch
+) -> None:
+    """suffix+drafter: each request of a step gets the suffix draft when it has one, else a
+    drafter chain; exact either way."""
+    from tlt_serve.speculative.decoder import COMBINED
+    from tlt_serve.speculative.policy import Strategy
+
+    params = varied_params()
+    plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
+    llm = make_llm(tiny_model_dir, spec_configs(drafters, max_batch=8)["auto"])
+    spec = llm.engine.spec
+    monkeypatch.setattr(spec.policy, "choose", lambda *_: Strategy(COMBINED, 4))
+    asked: list[list[int]] = []
+    propose = spec.proposers["drafter"].propose
+
+    def spy(reqs, ks):  # type: ignore[no-untyped-def]
+        asked.append(list(ks))
+        return propose(reqs, ks)
+
+    monkeypatch.setattr(spec.proposers["drafter"], "propose", spy)
+    out = llm.generate(PROMPTS, params)
+    assert [o.samples[0].token_ids for o in out] == [r.samples[0].token_ids for r in plain]
+    # Some steps had rows the suffix covered (k 0 for the drafter) beside rows it did not.
+    assert any(0 in ks and any(ks) for ks in asked)
+    assert all(o.samples[0].spec.drafter_versions == (0,) for o in out)
 
 
 def test_confidence_cut_ends_chains_where_the_drafter_is_unsure(
@@ -231,6 +266,25 @@ def test_confidence_cut_ends_chains_where_the_drafter_is_unsure(
     assert llm.engine.stats.spec.drafted < probe.engine.stats.spec.drafted
 
 
+def test_suffix_drafts_from_earlier_requests_stay_exact(tiny_model_dir) -> None:
+    """A second pass over the same prompts, n = 3 each, drafts from the first pass's finished
+    outputs and from its siblings: fp32 greedy output and logprobs equal plain decoding, and
+    the history makes the second pass accept more."""
+    params = varied_params()
+    plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
+    llm = make_llm(tiny_model_dir, SpecConfig(method="suffix", num_draft_tokens=8, max_batch=16))
+    accept = []
+    for n in (1, 3):
+        got = llm.generate(PROMPTS, [replace(p, n=n) for p in params])
+        for ref, out in zip(plain, got, strict=True):
+            for o in out.samples:
+                assert o.token_ids == ref.samples[0].token_ids
+                torch.testing.assert_close(o.logprobs, ref.samples[0].logprobs, atol=1e-4, rtol=0)
+        counts = [s.spec for g in got for s in g.samples]
+        accept.append(sum(c.accepted for c in counts) / sum(c.verify_ct for c in counts))
+    assert accept[1] > accept[0] + 1, accept
+
+
 def test_group_samples_and_stop_strings_with_speculation(tiny_model_dir, drafters) -> None:
     base = make_llm(tiny_model_dir)
     text = base.generate([PROMPTS[0]], SamplingParams(max_new_tokens=30, temperature=0.0))
@@ -238,7 +292,7 @@ def test_group_samples_and_stop_strings_with_speculation(tiny_model_dir, drafter
     params = SamplingParams(max_new_tokens=40, temperature=0.0, n=3, stop=[stop] if stop else [])
     ref = base.generate(PROMPTS[:2], params)
     configs = spec_configs(drafters)
-    for spec in (configs[n] for n in ("ngram", "drafter-sliced", "tree")):
+    for spec in (configs[n] for n in ("ngram", "suffix", "drafter-sliced", "tree")):
         got = make_llm(tiny_model_dir, spec).generate(PROMPTS[:2], params)
         for r, g in zip(ref, got, strict=True):
             assert [s.token_ids for s in g.samples] == [s.token_ids for s in r.samples]
@@ -300,21 +354,19 @@ def _chi2_crit(dof: int) -> float:
     return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
 
 
-def _spec_vs_plain_chi2(
-    model_dir: Path, drafter: Path, params: SamplingParams, topk: int = 1
-) -> float:
+def _drafter_spec(drafter: Path, topk: int = 1) -> SpecConfig:
+    return SpecConfig(
+        method="drafter", min_draft_confidence=0.0, drafter=str(drafter), max_batch=64,
+        tree_topk=topk,
+    )
+
+
+def _spec_vs_plain_chi2(model_dir: Path, spec: SpecConfig, params: SamplingParams) -> float:
     """Many samples of one prompt with and without speculation; returns the largest
     chi-square / critical value (0.1%) over output positions 1..3 (those go through
     verification). Below 1: no detectable difference."""
     n = 1500
     batch = SamplingParams(**{**params.__dict__, "n": 50})
-    spec = SpecConfig(
-        method="drafter",
-        min_draft_confidence=0.0,
-        drafter=str(drafter),
-        max_batch=64,
-        tree_topk=topk,
-    )
     runs = {}
     for name, cfg in [("plain", None), ("spec", spec)]:
         llm = make_llm(model_dir, cfg, rows=50)
@@ -346,7 +398,18 @@ def test_sampled_tokens_keep_the_target_distribution(
     tiny_model_dir, drafters, params, topk
 ) -> None:
     """Chains (topk 1) and trees (topk 3): same token distribution as plain decoding."""
-    assert _spec_vs_plain_chi2(tiny_model_dir, drafters["plain"], params, topk) < 1.0
+    spec = _drafter_spec(drafters["plain"], topk)
+    assert _spec_vs_plain_chi2(tiny_model_dir, spec, params) < 1.0
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_suffix_drafts_keep_the_target_distribution(tiny_model_dir, topk) -> None:
+    """Drafts from the samples before (siblings and earlier batches of the same prompt),
+    chains and trees: same token distribution as plain decoding."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
+    spec = SpecConfig(method="suffix", max_batch=64, tree_topk=topk,
+                      num_draft_tokens=3, suffix_min_prob=0.0)
+    assert _spec_vs_plain_chi2(tiny_model_dir, spec, params) < 1.0
 
 
 def test_the_same_test_catches_a_biased_verifier(tiny_model_dir, drafters, monkeypatch) -> None:
@@ -364,7 +427,7 @@ def test_the_same_test_catches_a_biased_verifier(tiny_model_dir, drafters, monke
 
     monkeypatch.setattr(decoder, "verify_chain", biased)
     params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
-    assert _spec_vs_plain_chi2(tiny_model_dir, drafters["plain"], params) > 1.0
+    assert _spec_vs_plain_chi2(tiny_model_dir, _drafter_spec(drafters["plain"]), params) > 1.0
 
 
 # ---- bad drafters and settings -------------------------------------------------------------

@@ -6,6 +6,7 @@ offending field.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -51,7 +52,7 @@ class SchedulerConfig:
             raise ConfigError(f"max_waiting: must be >= 1, got {self.max_waiting}")
 
 
-SPEC_METHODS = ("off", "ngram", "drafter", "auto")
+SPEC_METHODS = ("off", "ngram", "suffix", "drafter", "auto")
 MAX_DRAFT_TOKENS = 32
 MAX_TREE_TOPK = 8
 MAX_BUDGET = 64
@@ -59,9 +60,10 @@ MAX_BUDGET = 64
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding. ``auto``: the drafter when one is given, else n-gram."""
+    """Speculative decoding. ``auto``: drafts from rollout history (suffix) and, when one is
+    given, the drafter, chosen per step."""
 
-    method: str = "off"  # off | ngram | drafter | auto
+    method: str = "off"  # off | ngram | suffix | drafter | auto
     drafter: str | None = None  # drafter checkpoint directory (see speculative/checkpoint.py)
     num_draft_tokens: int = 4  # chain depth: most tokens drafted per request per step
     # Speculate while at most this many sequences run (the long tail). Forced speculation
@@ -69,7 +71,7 @@ class SpecConfig:
     # batch 1, x0.81-0.84 at 4 and x0.69-0.77 at 16; up to 8 the bandit may still pick plain
     # decoding per bucket, above it no step pays for its exploration.
     max_batch: int = 8
-    tree_topk: int = 1  # > 1: tree drafting (drafter only), children per expanded node
+    tree_topk: int = 1  # > 1: tree drafting (drafter or suffix), children per expanded node
     verify_budget: int = 0  # tree nodes verified per request (0: 2 * num_draft_tokens)
     # Chain depths the auto policy chooses among. Measured here (benchmarks/spec_decode.py,
     # bf16, 2 cores): depth 6 and drafter trees never beat depth 2-4 or plain decoding at any
@@ -83,6 +85,14 @@ class SpecConfig:
     auto_trees: tuple[tuple[int, int, int], ...] = ()
     ngram_min_n: int = 2
     ngram_max_n: int = 4
+    # Drafts from rollout history (speculative/suffix.py). Under auto, suffix chains of these
+    # most depths and these (depth, top-k, budget) trees are arms, and so is the combination
+    # "suffix+drafter" (suffix drafts where it has one, drafter chains elsewhere) at
+    # auto_depths. Suffix drafts stop where their estimated acceptance falls below
+    # suffix_min_prob, so a depth is a cap, not a length.
+    suffix_depths: tuple[int, ...] = (4, 8)
+    suffix_trees: tuple[tuple[int, int, int], ...] = ()
+    suffix_min_prob: float = 0.1
     # A drafter chain stops where the product of its drafts' probabilities (the drafter's own
     # softmax) falls below this; 0 drafts every chain to full depth. Lossless: only fewer
     # drafts are verified. Measured (warm-up drafter, bf16, greedy, depth 4, 5 interleaved
@@ -105,23 +115,28 @@ class SpecConfig:
             )
         if not 1 <= self.tree_topk <= MAX_TREE_TOPK:
             raise ConfigError(f"tree_topk: must be in [1, {MAX_TREE_TOPK}], got {self.tree_topk}")
-        if self.tree_topk > 1 and self.proposer != "drafter":
-            raise ConfigError("tree_topk: tree drafting needs a drafter (--speculative drafter)")
+        if self.tree_topk > 1 and self.proposer not in ("drafter", "suffix"):
+            raise ConfigError("tree_topk: tree drafting needs --speculative drafter or suffix")
         if self.verify_budget and not self.num_draft_tokens <= self.verify_budget <= MAX_BUDGET:
             raise ConfigError(
                 f"verify_budget: must be in [num_draft_tokens, {MAX_BUDGET}] "
                 f"(or 0 for the default), got {self.verify_budget}"
             )
-        for depth, topk, budget in self.auto_trees:
-            if not (
-                1 <= depth <= MAX_DRAFT_TOKENS
-                and 2 <= topk <= MAX_TREE_TOPK
-                and depth <= budget <= MAX_BUDGET
-            ):
-                raise ConfigError(f"auto_trees: bad (depth, top-k, budget) {(depth, topk, budget)}")
-        bad = [d for d in self.auto_depths if not 1 <= d <= MAX_DRAFT_TOKENS]
-        if bad or not self.auto_depths:
-            raise ConfigError(f"auto_depths: each must be in [1, {MAX_DRAFT_TOKENS}], got {bad}")
+        for name, trees in (("auto_trees", self.auto_trees), ("suffix_trees", self.suffix_trees)):
+            for depth, topk, budget in trees:
+                if not (
+                    1 <= depth <= MAX_DRAFT_TOKENS
+                    and 2 <= topk <= MAX_TREE_TOPK
+                    and depth <= budget <= MAX_BUDGET
+                ):
+                    raise ConfigError(f"{name}: bad (depth, top-k, budget) {(depth, topk, budget)}")
+        for name, depths in (("auto_depths", self.auto_depths),
+                             ("suffix_depths", self.suffix_depths)):
+            bad = [d for d in depths if not 1 <= d <= MAX_DRAFT_TOKENS]
+            if bad or not depths:
+                raise ConfigError(f"{name}: each must be in [1, {MAX_DRAFT_TOKENS}], got {bad}")
+        if not 0.0 <= self.suffix_min_prob <= 1.0:
+            raise ConfigError(f"suffix_min_prob: must be in [0, 1], got {self.suffix_min_prob}")
         if self.max_batch < 1:
             raise ConfigError(f"spec_max_batch: must be >= 1, got {self.max_batch}")
         if not 0.0 <= self.min_draft_confidence < 1.0:
@@ -141,9 +156,9 @@ class SpecConfig:
 
     @property
     def proposer(self) -> str:
-        """none | ngram | drafter: what ``method`` resolves to."""
+        """none | ngram | suffix | drafter: what ``method`` resolves to (auto: its model)."""
         if self.method == "auto":
-            return "drafter" if self.drafter else "ngram"
+            return "drafter" if self.drafter else "suffix"
         return {"off": "none"}.get(self.method, self.method)
 
 
@@ -180,6 +195,10 @@ class EngineConfig:
             # What vLLM's engine cannot do, refused rather than ignored.
             if self.spec.tree_topk > 1:
                 raise ConfigError("tree_topk: vLLM's EAGLE drafts chains (backend vllm)")
+            arctic = importlib.util.find_spec("arctic_inference") is not None
+            if self.spec.method == "suffix" and not arctic:
+                raise ConfigError("speculative: suffix on backend vllm is vLLM's suffix decoding, "
+                                  "which needs arctic-inference (scripts/install.sh --vllm)")
             if self.capture.enabled and not (self.spec.drafter
                                              and self.spec.method in ("drafter", "auto")):
                 raise ConfigError("capture: on backend vllm it needs a drafter "

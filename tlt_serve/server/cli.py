@@ -69,8 +69,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                        "Retry-After")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--speculative", choices=SPEC_METHODS, default=SpecConfig.method,
-                       help="speculative decoding: n-gram drafts, a drafter checkpoint, or auto "
-                       "(the drafter when --drafter is given, else n-gram)")
+                       help="speculative decoding: n-gram drafts, suffix drafts from rollout "
+                       "history (the prompt's earlier and sibling samples), a drafter "
+                       "checkpoint, or auto (suffix and, with --drafter, the drafter, chosen "
+                       "per step)")
     serve.add_argument("--drafter", default=None, metavar="PATH",
                        help="drafter checkpoint directory (--speculative drafter / auto)")
     serve.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
@@ -85,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                        default=SpecConfig.min_draft_confidence,
                        help="a drafter chain stops where the product of its drafts' "
                        "probabilities falls below P (0: always full depth)")
+    serve.add_argument("--suffix-min-prob", type=float, metavar="P",
+                       default=SpecConfig.suffix_min_prob,
+                       help="a suffix draft stops where its estimated acceptance (share of "
+                       "earlier occurrences that continued this way) falls below P")
     serve.add_argument("--capture", action="store_true",
                        help="keep drafter training samples (target features + tokens of "
                        "finished sequences) in a bounded buffer (GET /drafter/samples)")
@@ -129,6 +135,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 tree_topk=args.tree_topk,
                 verify_budget=args.verify_budget,
                 min_draft_confidence=args.min_draft_confidence,
+                suffix_min_prob=args.suffix_min_prob,
             ),
             capture=CaptureConfig(
                 enabled=args.capture or args.train_drafter,

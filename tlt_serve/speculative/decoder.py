@@ -31,9 +31,14 @@ from tlt_serve.speculative.drafter import DrafterModel
 from tlt_serve.speculative.drafter_proposer import DrafterProposer
 from tlt_serve.speculative.ngram import NgramConfig
 from tlt_serve.speculative.policy import PLAIN, Strategy, StrategyBandit
-from tlt_serve.speculative.proposer import NgramDrafts, NoProposer, Proposer
+from tlt_serve.speculative.proposer import NgramDrafts, NoProposer, Proposer, TreeProposer
+from tlt_serve.speculative.suffix import SuffixConfig
+from tlt_serve.speculative.suffix_proposer import SuffixDrafts
 from tlt_serve.speculative.tree import DraftTree, verify_tree
 from tlt_serve.speculative.verify import ChainDrafts, verify_chain
+
+FREE = ("suffix", "ngram")  # model-free proposers, asked before the policy chooses
+COMBINED = "suffix+drafter"  # suffix drafts where it has one, the drafter's elsewhere
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,12 @@ class SpecDecoder:
         self.max_len = max_len
         self.feature_layers = feature_layers
         self._strategy = PLAIN  # what the current step runs (rewarded in end_step)
-        # Under auto, the deepest n-gram arm: n-gram is asked for that many before choosing.
-        ngram_depths = [a.depth for a in policy.arms if a.proposer == "ngram"]
-        self._ngram_first_depth = max(ngram_depths) if len(policy.arms) > 1 and ngram_depths else 0
+        # Under auto, the model-free proposer is asked for drafts at its deepest chain arm
+        # (covering the combination's depths too) before the policy chooses.
+        self._free = next((n for n in FREE if n in proposers), "")
+        depths = [a.depth for a in policy.arms
+                  if a.proposer in (self._free, COMBINED) and not a.is_tree]
+        self._free_depth = max(depths) if len(policy.arms) > 1 and depths else 0
 
     @property
     def enabled(self) -> bool:
@@ -82,7 +90,7 @@ class SpecDecoder:
 
     @property
     def proposer_name(self) -> str:
-        """none | ngram | drafter | auto (several, chosen per step)."""
+        """none | ngram | suffix | drafter | auto (several, chosen per step)."""
         names = [n for n in self.proposers if n != PLAIN.proposer]
         return "none" if not names else names[0] if len(names) == 1 else "auto"
 
@@ -92,29 +100,42 @@ class SpecDecoder:
         if batch.is_prefill:
             return None
         reqs = batch.forward
-        ngram = self._ngram_first(reqs)
-        idle = ("ngram",) if ngram is not None and not any(ngram) else ()
+        free = self._free_first(reqs)
+        idle = self._idle(free)
         self._strategy = strategy = self.policy.choose(len(reqs), idle)
         if strategy.is_tree:
-            drafter = self.proposers[strategy.proposer]
-            assert isinstance(drafter, DrafterProposer)  # config allows trees for drafters only
+            proposer = self.proposers[strategy.proposer]
+            assert isinstance(proposer, TreeProposer)  # config allows trees for these only
             budgets = [self._room(r, strategy.budget) for r in reqs]
-            trees = drafter.propose_tree(reqs, strategy.depth, strategy.topk, budgets)
+            trees = proposer.propose_tree(reqs, strategy.depth, strategy.topk, budgets)
             return Plan(trees, chain=False) if any(t.size for t in trees) else None
         ks = [self._room(r, strategy.depth) for r in reqs]
-        if strategy.proposer == "ngram" and ngram is not None:  # a prefix of what it drafted
-            drafts = [d[:k] for d, k in zip(ngram, ks, strict=True)]
+        name = strategy.proposer
+        if free is not None and name in (self._free, COMBINED):  # a prefix of what it drafted
+            drafts = [d[:k] for d, k in zip(free, ks, strict=True)]
+            if name == COMBINED:  # the drafter where the free proposer has nothing
+                rest = [0 if d else k for d, k in zip(drafts, ks, strict=True)]
+                drafted = self.proposers["drafter"].propose(reqs, rest)
+                drafts = [d or e for d, e in zip(drafts, drafted, strict=True)]
         else:
-            drafts = self.proposers[strategy.proposer].propose(reqs, ks)
+            drafts = self.proposers[name].propose(reqs, ks)
         return Plan([DraftTree.chain(d) for d in drafts], chain=True) if any(drafts) else None
 
-    def _ngram_first(self, reqs: list[Request]) -> list[list[int]] | None:
-        """Under ``auto``, the n-gram drafts of this step at its deepest arm, asked before the
-        policy chooses (speculative/policy.py: without drafts its arms are no candidates)."""
-        depth = self._ngram_first_depth
+    def _free_first(self, reqs: list[Request]) -> list[list[int]] | None:
+        """Under ``auto``, the drafts of the model-free proposer (suffix or n-gram) at its
+        deepest chain arm, asked before the policy chooses (speculative/policy.py: without
+        drafts its arms are no candidates)."""
+        depth = self._free_depth
         if not depth or len(reqs) > self.policy.max_batch:
             return None
-        return self.proposers["ngram"].propose(reqs, [self._room(r, depth) for r in reqs])
+        return self.proposers[self._free].propose(reqs, [self._room(r, depth) for r in reqs])
+
+    def _idle(self, free: list[list[int]] | None) -> tuple[str, ...]:
+        """Proposers whose arms would run a plain step: the free one without any draft (and
+        the combination, which is then the drafter alone)."""
+        if free is None or any(free):
+            return ()
+        return (self._free, COMBINED)
 
     def _room(self, req: Request, n: int) -> int:
         """Draft tokens worth verifying: the step also commits one more token, and the
@@ -145,9 +166,13 @@ class SpecDecoder:
             drafted=[t.size for t in plan.trees],
             accepted=result.num_accepted,
             path=paths,
-            drafter_version=self.drafter_version if self._strategy.proposer == "drafter" else None,
+            drafter_version=self.drafter_version if self._uses_drafter else None,
         )
         return run, emitted
+
+    @property
+    def _uses_drafter(self) -> bool:
+        return self._strategy.proposer in ("drafter", COMBINED)
 
     @property
     def drafter(self) -> DrafterModel | None:
@@ -177,6 +202,7 @@ class SpecDecoder:
             )
         p.drafter = new
         self.policy.forget("drafter")
+        self.policy.forget(COMBINED)
 
     @property
     def needs_features(self) -> bool:
@@ -215,9 +241,11 @@ def build_spec_decoder(
     drafter). ``auto``: a bandit over plain decoding and each proposer at several depths."""
     proposers: dict[str, Proposer] = {PLAIN.proposer: NoProposer()}  # the baseline, always
     feature_layers: tuple[int, ...] = ()
-    kind = config.proposer
-    if kind != "none" and (config.method == "auto" or kind == "ngram"):
+    kind, auto = config.proposer, config.method == "auto"
+    if kind == "ngram":
         proposers["ngram"] = NgramDrafts(NgramConfig(config.ngram_min_n, config.ngram_max_n))
+    if kind == "suffix" or (auto and kind != "none"):
+        proposers["suffix"] = SuffixDrafts(SuffixConfig(min_prob=config.suffix_min_prob))
     if kind == "drafter":
         drafter = load_drafter(str(config.drafter), target)
         proposers["drafter"] = DrafterProposer(
@@ -225,12 +253,14 @@ def build_spec_decoder(
         )
         feature_layers = drafter.spec.feature_layers
     names = [p for p in proposers if p != PLAIN.proposer]
-    if config.method == "auto":
-        arms = [PLAIN, *(Strategy(p, d) for p in names for d in config.auto_depths)]
+    if auto:
+        arms = [PLAIN, *(Strategy("suffix", d) for d in config.suffix_depths)]
+        arms += [Strategy("suffix", d, k, n) for d, k, n in config.suffix_trees]
         if "drafter" in proposers:
+            arms += [Strategy(p, d) for p in ("drafter", COMBINED) for d in config.auto_depths]
             arms += [Strategy("drafter", d, k, n) for d, k, n in config.auto_trees]
-    elif config.tree_topk > 1:  # one drafter tree shape below max_batch
-        arms = [Strategy("drafter", config.num_draft_tokens, config.tree_topk, config.budget)]
+    elif config.tree_topk > 1:  # one tree shape below max_batch
+        arms = [Strategy(kind, config.num_draft_tokens, config.tree_topk, config.budget)]
     else:  # one proposer at one depth below max_batch (or plain decoding throughout)
         arms = [Strategy(p, config.num_draft_tokens) for p in names]
     policy = StrategyBandit(arms, config.max_batch, seed=seed)

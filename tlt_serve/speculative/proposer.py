@@ -14,12 +14,13 @@ it only needs to hear about what the engine alone knows:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from tlt_serve.engine.request import Request
 from tlt_serve.speculative.ngram import NgramConfig, NgramProposer
+from tlt_serve.speculative.tree import DraftTree
 
 
 class Proposer(Protocol):
@@ -35,6 +36,16 @@ class Proposer(Protocol):
     def release(self, req: Request) -> None: ...
 
     def move_row(self, src: int, dst: int, length: int) -> None: ...
+
+
+@runtime_checkable
+class TreeProposer(Protocol):
+    def propose_tree(
+        self, reqs: Sequence[Request], depth: int, topk: int, budgets: Sequence[int]
+    ) -> list[DraftTree]:
+        """A draft tree per request: ``budgets[b]`` nodes at most, ``depth`` deep, ``topk``
+        children per node."""
+        ...
 
 
 class NoProposer:

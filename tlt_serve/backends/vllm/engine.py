@@ -35,7 +35,7 @@ MAX_BATCH_ANY = 1 << 20  # "every batch size above max_batch" in vLLM's per-batc
 class VllmSpec:
     """What speculation resolved to on vLLM."""
 
-    proposer: str  # none | ngram | drafter
+    proposer: str  # none | ngram | suffix | drafter
     config: dict[str, Any] | None  # vLLM's speculative_config
     drafter_dir: str | None = None  # the exported EAGLE checkpoint vLLM loads
 
@@ -86,6 +86,10 @@ def resolve_spec(spec: SpecConfig, export_root: Path) -> VllmSpec:
         config.update(method="ngram", prompt_lookup_min=spec.ngram_min_n,
                       prompt_lookup_max=spec.ngram_max_n)
         return VllmSpec("ngram", config)
+    if method == "suffix":  # vLLM's suffix decoding: arctic-inference's SuffixDecodingCache
+        config.update(method="suffix", suffix_decoding_min_token_prob=spec.suffix_min_prob,
+                      suffix_decoding_max_tree_depth=max(24, k + 16))
+        return VllmSpec("suffix", config)
     assert spec.drafter is not None  # SpecConfig.validate
     out = export_drafter(spec.drafter, export_root)
     config.update(method="eagle", model=str(out))

@@ -1,0 +1,147 @@
+"""RL-shaped rollouts over several epochs: the same prompts every epoch, n samples each, the
+target's weights changing between epochs; speculation configurations side by side.
+
+Per configuration one server lives through every epoch (its history of the prompts is what
+suffix drafting feeds on). Epoch e (from 0) first loads drift version e (``benchmarks/drift.py``:
+the default model fine-tuned stage after stage, each stage writing differently, as RL steps
+do) through ``/update_weights_from_disk``, then sends all ``--prompts`` x ``--n`` samples at
+once (arithmetic problems, T = 1, EOS-terminated: long-tailed lengths),
+one request per sample as RL frameworks send them. Per epoch: makespan, the small-batch phase
+(at most ``--spec-max-batch`` running, where the engine speculates) and the makespan speedup
+it caps if it took no time (``ceiling_free``), accept length (accepted drafts per verify step;
+verify steps run only in that phase) and each configuration's makespan speedup over ``off``.
+
+Configurations: off | ngram | suffix | auto (suffix drafts, plus the drafter when
+``--drafter`` is given, chosen per step) on the native engine; ``NAME@vllm`` the same on the
+vLLM backend (run with the python of an environment with vLLM).
+
+    python -m benchmarks.rl_epochs --configs off,ngram,suffix,auto
+    /path/to/vllm-env/bin/python -m benchmarks.rl_epochs \\
+        --configs off,ngram,suffix,auto,off@vllm,ngram@vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import report
+from benchmarks.drift import DriftConfig, version_dirs
+from benchmarks.rollout_load import rollout_mode, split_config
+from benchmarks.serverproc import running_server
+from clients.tasks import make_problems, prompt_ids
+from tlt_serve.models.provision import resolve_model_path
+from tlt_serve.models.tokenizer import load_tokenizer
+
+FLAGS = {
+    "off": ["--speculative", "off"],
+    "ngram": ["--speculative", "ngram"],
+    "suffix": ["--speculative", "suffix", "--num-draft-tokens", "8"],
+    "auto": ["--speculative", "auto"],
+}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = report.parser(__doc__)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=256, help="most tokens per sample")
+    p.add_argument("--configs", default="off,ngram,suffix,auto")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint for auto")
+    p.add_argument("--spec-max-batch", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/rl_epochs.json")
+    a = p.parse_args(argv)
+    # What rollout_load's rollout mode reads.
+    a.dialect, a.served_model, a.bin_s = "sglang", None, 1.0
+    return a
+
+
+def server_flags(a: argparse.Namespace, config: str) -> list[str]:
+    name, backend = split_config(config)
+    flags = [*FLAGS[name], "--model", a.model, "--dtype", a.dtype, "--backend", backend,
+             "--max-num-seqs", str(a.prompts * a.n), "--spec-max-batch", str(a.spec_max_batch),
+             "--max-model-len", "1024"]
+    if name == "auto" and a.drafter:
+        flags += ["--drafter", a.drafter]
+    return flags
+
+
+def epoch_requests(a: argparse.Namespace, prompts: list[list[int]], epoch: int) -> list:
+    """Every sample of an epoch, each with its own seed (new samples every epoch)."""
+    return [(ids, {"max_new_tokens": a.max_len, "temperature": 1.0,
+                   "sampling_seed": (a.seed + epoch * 7919) * 100_003 + i * a.n + j})
+            for i, ids in enumerate(prompts) for j in range(a.n)]
+
+
+def run_config(a: argparse.Namespace, config: str, prompts: list[list[int]],
+               versions: list[Path]) -> list[dict[str, Any]]:
+    epochs = []
+    with running_server(server_flags(a, config)) as url:
+        for e in range(a.epochs):
+            if e:
+                r = httpx.post(f"{url}/update_weights_from_disk", timeout=600, json={
+                    "model_path": str(versions[e]), "weight_version": str(e)})
+                r.raise_for_status()
+            reqs = epoch_requests(a, prompts, e)
+            stats = asyncio.run(rollout_mode(url, a, reqs, f"{config} epoch {e}"))
+            keep = ("makespan_s", "small_batch_s", "ceiling_free", "ceiling_2x", "tok_s",
+                    "tokens", "errors", "accept_length")
+            row = {k: stats.get(k) for k in keep}
+            epochs.append({"epoch": e, **row, "timeline": stats["timeline"]})
+            print(f"{config} epoch {e}: makespan {row['makespan_s']:.1f} s, small-batch "
+                  f"{row['small_batch_s']:.1f} s, ceiling_free {row['ceiling_free']}, "
+                  f"accept {row['accept_length']}", flush=True)
+    return epochs
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    plt = report.pyplot()
+    runs = result["runs"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for config, epochs in runs.items():
+        xs = [r["epoch"] for r in epochs]
+        ax1.plot(xs, [r["makespan_s"] for r in epochs], marker="o", label=config)
+        ax2.plot(xs, [r["accept_length"] or 0 for r in epochs], marker="o", label=config)
+    ax1.set(xlabel="epoch (weights drift between epochs)", ylabel="rollout makespan (s)",
+            title="makespan per epoch")
+    ax2.set(xlabel="epoch", ylabel="accepted drafts per verify",
+            title="accept length (small-batch phase)")
+    ax1.legend()
+    fig.suptitle(f"{result['args']['prompts']} prompts x n={result['args']['n']}, "
+                 f"{result['machine']}, {result['date']}", fontsize=8)
+    report.save(fig, png)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse(argv)
+    tok = load_tokenizer(resolve_model_path(a.model))
+    problems = make_problems(a.prompts, a.seed)
+    prompts = [list(p) for p in prompt_ids(tok, problems)]
+    versions = version_dirs(DriftConfig(model=a.model, versions=a.epochs))
+    configs = a.configs.split(",")
+    runs = {c: run_config(a, c, prompts, versions) for c in configs}
+    table: dict[str, Any] = {}
+    base = runs.get("off")
+    for c, epochs in runs.items():
+        table[c] = [{k: r[k] for k in r if k != "timeline"} for r in epochs]
+        if base:
+            for row, ref in zip(table[c], base, strict=True):
+                row["speedup_vs_off"] = round(ref["makespan_s"] / row["makespan_s"], 3)
+    for c, rows in table.items():
+        print(c, [(r["epoch"], round(r["makespan_s"], 1), r.get("speedup_vs_off"),
+                   r["accept_length"] and round(r["accept_length"], 2)) for r in rows])
+    args = {k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, type(None)))}
+    report.write({"benchmark": "rl_epochs", "args": args, "table": table, "runs": runs},
+                 a.out, plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Drafts from rollout history: a suffix index per prompt plus a cross-prompt corpus.
+
+RL samples the same prompt n times side by side and again every epoch, so what was written
+for a prompt before is the best free draft for it. Histories are keyed by the prompt's token
+ids, whichever way the samples arrive (the n samples of one request, requests that repeat a
+prompt, the same prompt in a later epoch). A prompt's history holds the prompt itself, its
+live samples (each growing as it decodes, visible to its siblings at once) and its finished
+samples, oldest evicted first past ``max_store_tokens``; histories of prompts nobody runs are
+evicted least recently used past ``max_total_tokens``. Finished outputs of every prompt also
+join a bounded corpus, consulted when it matches longer than the prompt's own history.
+
+Each sequence starts with the last ``max_match`` prompt tokens, so a match can reach back
+across the start of the output, and a request's own sequence is its lookup context.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tlt_serve.engine.request import Request
+from tlt_serve.speculative.suffix import Draft, SuffixConfig, SuffixStore, draft_tree
+from tlt_serve.speculative.tree import DraftTree
+
+
+@dataclass
+class _History:
+    """One prompt's samples, live and finished."""
+
+    store: SuffixStore
+    finished: deque[int] = field(default_factory=deque)  # sequence ids, oldest first
+    live: int = 0
+
+
+@dataclass
+class _Live:
+    history: _History
+    sid: int
+    synced: int  # output tokens already indexed
+
+
+class SuffixDrafts:
+    name = "suffix"
+    needs_features = False
+
+    def __init__(self, config: SuffixConfig | None = None) -> None:
+        self.config = cfg = config or SuffixConfig()
+        cfg.validate()
+        self.histories: OrderedDict[bytes, _History] = OrderedDict()  # least recent first
+        self.corpus = SuffixStore(cfg.key_len)
+        self._live: dict[str, _Live] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens indexed: every history and the corpus."""
+        return self.corpus.num_tokens + sum(h.store.num_tokens for h in self.histories.values())
+
+    # ---- the proposer interface -----------------------------------------------------------
+    def observe(self, req: Request, features: torch.Tensor) -> None:
+        pass
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+        """A chain per request: the most frequent continuation, as deep as its estimated
+        acceptance stays above ``min_prob`` (at most ``ks[b]``)."""
+        return [self.draft(r, k, k, 1).tokens for r, k in zip(reqs, ks, strict=True)]
+
+    def propose_tree(
+        self, reqs: Sequence[Request], depth: int, topk: int, budgets: Sequence[int]
+    ) -> list[DraftTree]:
+        """A tree per request over its most probable continuations (``budgets[b]`` nodes)."""
+        trees = []
+        for r, budget in zip(reqs, budgets, strict=True):
+            d = self.draft(r, min(depth, budget), budget, topk)
+            trees.append(DraftTree(tuple(d.tokens), tuple(d.parents)))
+        return trees
+
+    def release(self, req: Request) -> None:
+        live = self._live.pop(req.rid, None)
+        if live is None:
+            return
+        self._sync(req, live)
+        h, cfg = live.history, self.config
+        h.live -= 1
+        h.finished.append(live.sid)
+        seq = h.store.seqs[live.sid]
+        if len(seq) > cfg.max_match:  # it wrote something: the corpus gets it too
+            self.corpus.add(seq)
+        while h.store.num_tokens > cfg.max_store_tokens and len(h.finished) > 1:
+            h.store.remove(h.finished.popleft())
+        while self.corpus.num_tokens > cfg.max_corpus_tokens and len(self.corpus.seqs) > 1:
+            self.corpus.remove(next(iter(self.corpus.seqs)))
+        self._evict_histories()
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        pass
+
+    # ---- drafting -------------------------------------------------------------------------
+    def draft(self, req: Request, depth: int, budget: int, topk: int) -> Draft:
+        live = self._live.get(req.rid) or self._start(req)
+        self._sync(req, live)
+        cfg = self.config
+        context = live.history.store.seqs[live.sid]
+        match = live.history.store.match(context, cfg.max_match, cfg.max_candidates)
+        if match.length < cfg.max_match:
+            wider = self.corpus.match(context, cfg.max_match, cfg.max_candidates)
+            if wider.length > match.length:
+                match = wider
+        depth = min(depth, math.ceil(cfg.spec_factor * match.length))
+        return draft_tree(match, depth, budget, topk, cfg.min_prob, own=context)
+
+    def _start(self, req: Request) -> _Live:
+        key = array("i", req.prompt_ids).tobytes()
+        h = self.histories.get(key)
+        if h is None:
+            h = self.histories[key] = _History(SuffixStore(self.config.key_len))
+            h.store.add(req.prompt_ids)
+        self.histories.move_to_end(key)
+        h.live += 1
+        sid = h.store.add(req.prompt_ids[-self.config.max_match :])
+        live = self._live[req.rid] = _Live(h, sid, 0)
+        return live
+
+    def _sync(self, req: Request, live: _Live) -> None:
+        new = req.output_ids[live.synced :]
+        if new:
+            live.history.store.extend(live.sid, new)
+            live.synced += len(new)
+
+    def _evict_histories(self) -> None:
+        total = self.num_tokens
+        for key in list(self.histories):
+            if total <= self.config.max_total_tokens:
+                return
+            h = self.histories[key]
+            if h.live == 0:
+                total -= h.store.num_tokens
+                del self.histories[key]
