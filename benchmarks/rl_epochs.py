@@ -11,9 +11,11 @@ one request per sample as RL frameworks send them. Per epoch: makespan, the smal
 it caps if it took no time (``ceiling_free``), accept length (accepted drafts per verify step;
 verify steps run only in that phase) and each configuration's makespan speedup over ``off``.
 
-Configurations: off | ngram | suffix | auto (suffix drafts, plus the drafter when
-``--drafter`` is given, chosen per step) on the native engine; ``NAME@vllm`` the same on the
-vLLM backend (run with the python of an environment with vLLM).
+Configurations: off | ngram | suffix | suffix-tree | auto (suffix drafts, plus the drafter
+when ``--drafter`` is given, chosen per step) on the native engine, all servers up at once and
+each epoch run config after config in a rotating order; ``NAME@vllm`` the same on the vLLM
+backend (run with the python of an environment with vLLM; ``suffix@vllm`` is vLLM's suffix
+decoding, arctic-inference), each alone after them.
 
     python -m benchmarks.rl_epochs --configs off,ngram,suffix,auto
     /path/to/vllm-env/bin/python -m benchmarks.rl_epochs \\
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,8 @@ FLAGS = {
     "off": ["--speculative", "off"],
     "ngram": ["--speculative", "ngram"],
     "suffix": ["--speculative", "suffix", "--num-draft-tokens", "8"],
+    "suffix-tree": ["--speculative", "suffix", "--num-draft-tokens", "8", "--tree-topk", "4",
+                    "--verify-budget", "16"],
     "auto": ["--speculative", "auto"],
 }
 
@@ -68,7 +73,7 @@ def server_flags(a: argparse.Namespace, config: str) -> list[str]:
     name, backend = split_config(config)
     flags = [*FLAGS[name], "--model", a.model, "--dtype", a.dtype, "--backend", backend,
              "--max-num-seqs", str(a.prompts * a.n), "--spec-max-batch", str(a.spec_max_batch),
-             "--max-model-len", "1024"]
+             "--max-model-len", "512"]
     if name == "auto" and a.drafter:
         flags += ["--drafter", a.drafter]
     return flags
@@ -81,25 +86,44 @@ def epoch_requests(a: argparse.Namespace, prompts: list[list[int]], epoch: int) 
             for i, ids in enumerate(prompts) for j in range(a.n)]
 
 
-def run_config(a: argparse.Namespace, config: str, prompts: list[list[int]],
-               versions: list[Path]) -> list[dict[str, Any]]:
-    epochs = []
-    with running_server(server_flags(a, config)) as url:
+def run_epoch(a: argparse.Namespace, config: str, url: str, prompts: list[list[int]],
+              versions: list[Path], e: int) -> dict[str, Any]:
+    if e:
+        r = httpx.post(f"{url}/update_weights_from_disk", timeout=600, json={
+            "model_path": str(versions[e]), "weight_version": str(e)})
+        r.raise_for_status()
+    stats = asyncio.run(rollout_mode(url, a, epoch_requests(a, prompts, e), f"{config} e{e}"))
+    keep = ("makespan_s", "small_batch_s", "ceiling_free", "ceiling_2x", "tok_s", "tokens",
+            "errors", "accept_length")
+    row = {"epoch": e, **{k: stats.get(k) for k in keep}, "timeline": stats["timeline"]}
+    print(f"{config} epoch {e}: makespan {row['makespan_s']:.1f} s, small-batch "
+          f"{row['small_batch_s']:.1f} s, ceiling_free {row['ceiling_free']}, "
+          f"accept {row['accept_length']}", flush=True)
+    return row
+
+
+def run_native(a: argparse.Namespace, configs: list[str], prompts: list[list[int]],
+               versions: list[Path]) -> dict[str, list[dict[str, Any]]]:
+    """Every native configuration's server up at once (idle ones take no CPU); each epoch
+    runs them one after another, in an order rotated every epoch, so that a machine whose
+    speed drifts does not favour one."""
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    if not configs:
+        return runs
+    with ExitStack() as stack:
+        urls = {c: stack.enter_context(running_server(server_flags(a, c))) for c in configs}
         for e in range(a.epochs):
-            if e:
-                r = httpx.post(f"{url}/update_weights_from_disk", timeout=600, json={
-                    "model_path": str(versions[e]), "weight_version": str(e)})
-                r.raise_for_status()
-            reqs = epoch_requests(a, prompts, e)
-            stats = asyncio.run(rollout_mode(url, a, reqs, f"{config} epoch {e}"))
-            keep = ("makespan_s", "small_batch_s", "ceiling_free", "ceiling_2x", "tok_s",
-                    "tokens", "errors", "accept_length")
-            row = {k: stats.get(k) for k in keep}
-            epochs.append({"epoch": e, **row, "timeline": stats["timeline"]})
-            print(f"{config} epoch {e}: makespan {row['makespan_s']:.1f} s, small-batch "
-                  f"{row['small_batch_s']:.1f} s, ceiling_free {row['ceiling_free']}, "
-                  f"accept {row['accept_length']}", flush=True)
-    return epochs
+            for c in configs[e % len(configs):] + configs[: e % len(configs)]:
+                runs[c].append(run_epoch(a, c, urls[c], prompts, versions, e))
+    return runs
+
+
+def run_alone(a: argparse.Namespace, config: str, prompts: list[list[int]],
+              versions: list[Path]) -> list[dict[str, Any]]:
+    """A vLLM-backed configuration, alone on the machine (vLLM's CPU worker busy-polls
+    while idle: it would slow whatever runs beside it)."""
+    with running_server(server_flags(a, config)) as url:
+        return [run_epoch(a, config, url, prompts, versions, e) for e in range(a.epochs)]
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
@@ -127,7 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [list(p) for p in prompt_ids(tok, problems)]
     versions = version_dirs(DriftConfig(model=a.model, versions=a.epochs))
     configs = a.configs.split(",")
-    runs = {c: run_config(a, c, prompts, versions) for c in configs}
+    native = [c for c in configs if split_config(c)[1] == "native"]
+    runs = run_native(a, native, prompts, versions)
+    for c in configs:
+        if c not in runs:
+            runs[c] = run_alone(a, c, prompts, versions)
     table: dict[str, Any] = {}
     base = runs.get("off")
     for c, epochs in runs.items():

@@ -1,4 +1,4 @@
-"""Speculative decoding speed: plain vs n-gram vs drafter vs adaptive, side by side.
+"""Speculative decoding speed: plain vs n-gram vs suffix vs drafter vs adaptive, side by side.
 
 Chat/reasoning/code prompts (benchmarks/prompts.py, not the warm-up prompts; each sequence of
 a run its own, each configuration the same ones), same number of new tokens (EOS ignored), at
@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=SpecConfig.num_draft_tokens)
     ap.add_argument("--max-batch", type=int, default=SpecConfig.max_batch)
+    ap.add_argument("--suffix-depth", type=int, default=8,
+                    help="most suffix drafts per step (they end earlier where unsure)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (in-process only)")
@@ -129,7 +131,9 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rows = max(batches)
     forced = dict(num_draft_tokens=args.depth, max_batch=rows)
-    specs = {"plain": SpecConfig(), "ngram": SpecConfig(method="ngram", **forced)}
+    specs = {"plain": SpecConfig(), "ngram": SpecConfig(method="ngram", **forced),
+             "suffix": SpecConfig(method="suffix", num_draft_tokens=args.suffix_depth,
+                                  max_batch=rows)}
     if args.drafter:
         specs["drafter"] = SpecConfig(method="drafter", drafter=args.drafter, **forced)
     specs["adaptive"] = SpecConfig(

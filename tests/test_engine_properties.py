@@ -110,6 +110,7 @@ class EngineMachine(RuleBasedStateMachine):
 SPECS = {
     "off": SpecConfig(),
     "ngram": SpecConfig(method="ngram", num_draft_tokens=3),
+    "suffix": SpecConfig(method="suffix", num_draft_tokens=3, tree_topk=2, verify_budget=4),
     "drafter": None,  # filled with the tiny drafter below
 }
 

@@ -58,17 +58,18 @@ def drafter_dir(plain, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def spec_for(proposer: str, drafter: Path, max_batch: int) -> SpecConfig:
-    method = {"ngram": "ngram", "auto": "auto"}.get(proposer, "drafter")
+    method = {"ngram": "ngram", "suffix": "suffix", "suffix-tree": "suffix",
+              "auto": "auto"}.get(proposer, "drafter")
     return SpecConfig(
         method=method,
-        drafter=None if proposer == "ngram" else str(drafter),
+        drafter=None if method in ("ngram", "suffix") else str(drafter),
         min_draft_confidence=0.0,
         max_batch=max_batch,
-        tree_topk=3 if proposer == "tree" else 1,
+        tree_topk=3 if proposer in ("tree", "suffix-tree") else 1,
     )
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "drafter", "tree"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "suffix-tree", "drafter", "tree"])
 def test_greedy_speculation_is_exact_alone_batched_and_switching(
     plain, drafter_dir, proposer
 ) -> None:
@@ -83,8 +84,10 @@ def test_greedy_speculation_is_exact_alone_batched_and_switching(
         assert got.token_ids == ref[i], PROMPTS[i]
     # Switch at 3 running sequences: plain steps first, speculation once the tail begins.
     switching = make(spec_for(proposer, drafter_dir, max_batch=3))
-    outs = switching.generate(prompts, params())
-    assert [o.samples[0].token_ids for o in outs] == ref
+    passes = 2 if proposer.startswith("suffix") else 1  # suffix drafts from the first pass
+    for _ in range(passes):
+        outs = switching.generate(prompts, params())
+        assert [o.samples[0].token_ids for o in outs] == ref
     stats = switching.engine.stats
     assert 0 < stats.spec.steps < stats.decode_steps
     assert stats.spec.accepted > 0

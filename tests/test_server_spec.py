@@ -150,3 +150,36 @@ def test_server_info_and_metrics_report_speculation(served, spec_served) -> None
     assert info["engine_info"]["spec"]["method"] == "off"
     assert info["engine_info"]["spec"]["proposer"] == "none"
     assert m.value("tlt_serve_spec_verify_steps_total", missing=0.0) == 0  # never verified
+
+
+def test_suffix_drafts_across_siblings_and_requests_in_both_dialects(tiny_model_dir) -> None:
+    """--speculative suffix: the n samples of one /generate request draft from each other,
+    and an OpenAI /v1/completions request for the same prompt drafts from their history
+    (prompts are matched by token ids, whatever the dialect): same greedy text as plain
+    decoding, nearly every draft accepted the second time."""
+    spec = parse_args(["serve", "--speculative", "suffix", "--spec-max-batch", "64",
+                       "--num-draft-tokens", "8"]).engine.spec
+    plain, s = serve(tiny_model_dir), serve(tiny_model_dir, spec=spec)
+    names = ("tlt_serve_spec_accepted_tokens_total", "tlt_serve_spec_sequence_verifies_total")
+    try:
+        with plain.http() as http:
+            ref = http.post("/generate", json={"text": PROMPTS[2],
+                                               "sampling_params": GREEDY_LONG}).json()
+        with s.http() as http:
+            group = http.post("/generate", json={
+                "text": PROMPTS[2], "sampling_params": {**GREEDY_LONG, "n": 3}}).json()
+            assert [o["text"] for o in group] == [ref["text"]] * 3
+            m = scrape(http)
+            before = {n: m.value(n, missing=0.0) for n in names}
+            body = {"model": str(tiny_model_dir), "prompt": PROMPTS[2], "max_tokens": 40,
+                    "temperature": 0,
+                    "ignore_eos": True}
+            resp = http.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["text"] == ref["text"]
+            m = scrape(http)
+        accepted, verifies = (m.value(n) - before[n] for n in names)
+        assert verifies > 0 and accepted / verifies >= 6  # of at most 8 per verify
+    finally:
+        plain.stop()
+        s.stop()

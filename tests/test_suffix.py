@@ -128,6 +128,8 @@ def test_history_is_per_prompt_survives_requests_and_stays_bounded() -> None:
         r = _req(f"x{i}", [i, i + 1, i + 2], list(range(i, i + 20)))
         drafts.propose([r], [2])
         drafts.release(r)
+        kept = sum(h.store.num_tokens for h in drafts.histories.values())
+        assert drafts.num_tokens == kept + drafts.corpus.num_tokens  # the running count
         assert drafts.num_tokens <= cfg.max_total_tokens + 60 + 40
         assert all(h.store.num_tokens <= 60 + 40 for h in drafts.histories.values())
     assert drafts.corpus.num_tokens <= cfg.max_corpus_tokens

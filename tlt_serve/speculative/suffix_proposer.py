@@ -54,11 +54,12 @@ class SuffixDrafts:
         self.histories: OrderedDict[bytes, _History] = OrderedDict()  # least recent first
         self.corpus = SuffixStore(cfg.key_len)
         self._live: dict[str, _Live] = {}
+        self._total = 0  # tokens in every history's store (kept, not summed per release)
 
     @property
     def num_tokens(self) -> int:
         """Tokens indexed: every history and the corpus."""
-        return self.corpus.num_tokens + sum(h.store.num_tokens for h in self.histories.values())
+        return self.corpus.num_tokens + self._total
 
     # ---- the proposer interface -----------------------------------------------------------
     def observe(self, req: Request, features: torch.Tensor) -> None:
@@ -91,7 +92,9 @@ class SuffixDrafts:
         if len(seq) > cfg.max_match:  # it wrote something: the corpus gets it too
             self.corpus.add(seq)
         while h.store.num_tokens > cfg.max_store_tokens and len(h.finished) > 1:
+            before = h.store.num_tokens
             h.store.remove(h.finished.popleft())
+            self._total -= before - h.store.num_tokens
         while self.corpus.num_tokens > cfg.max_corpus_tokens and len(self.corpus.seqs) > 1:
             self.corpus.remove(next(iter(self.corpus.seqs)))
         self._evict_histories()
@@ -116,12 +119,16 @@ class SuffixDrafts:
     def _start(self, req: Request) -> _Live:
         key = array("i", req.prompt_ids).tobytes()
         h = self.histories.get(key)
+        before = 0
         if h is None:
             h = self.histories[key] = _History(SuffixStore(self.config.key_len))
             h.store.add(req.prompt_ids)
+        else:
+            before = h.store.num_tokens
         self.histories.move_to_end(key)
         h.live += 1
         sid = h.store.add(req.prompt_ids[-self.config.max_match :])
+        self._total += h.store.num_tokens - before
         live = self._live[req.rid] = _Live(h, sid, 0)
         return live
 
@@ -130,13 +137,14 @@ class SuffixDrafts:
         if new:
             live.history.store.extend(live.sid, new)
             live.synced += len(new)
+            self._total += len(new)
 
     def _evict_histories(self) -> None:
-        total = self.num_tokens
+        """Least recently used prompts with nothing running go first."""
         for key in list(self.histories):
-            if total <= self.config.max_total_tokens:
+            if self._total <= self.config.max_total_tokens:
                 return
             h = self.histories[key]
             if h.live == 0:
-                total -= h.store.num_tokens
+                self._total -= h.store.num_tokens
                 del self.histories[key]

