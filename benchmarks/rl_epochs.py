@@ -96,9 +96,9 @@ def run_epoch(a: argparse.Namespace, config: str, url: str, prompts: list[list[i
     keep = ("makespan_s", "small_batch_s", "ceiling_free", "ceiling_2x", "tok_s", "tokens",
             "errors", "accept_length")
     row = {"epoch": e, **{k: stats.get(k) for k in keep}, "timeline": stats["timeline"]}
-    print(f"{config} epoch {e}: makespan {row['makespan_s']:.1f} s, small-batch "
-          f"{row['small_batch_s']:.1f} s, ceiling_free {row['ceiling_free']}, "
-          f"accept {row['accept_length']}", flush=True)
+    print(f"{config} epoch {e}: makespan {row['makespan_s']} s, small-batch "
+          f"{row['small_batch_s']} s, ceiling_free {row['ceiling_free']}, "
+          f"accept {row['accept_length']}, errors {row['errors']}", flush=True)
     return row
 
 
@@ -132,7 +132,8 @@ def plot(result: dict[str, Any], png: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for config, epochs in runs.items():
         xs = [r["epoch"] for r in epochs]
-        ax1.plot(xs, [r["makespan_s"] for r in epochs], marker="o", label=config)
+        ax1.plot(xs, [r["makespan_s"] or float("nan") for r in epochs], marker="o",
+                 label=config)
         ax2.plot(xs, [r["accept_length"] or 0 for r in epochs], marker="o", label=config)
     ax1.set(xlabel="epoch (weights drift between epochs)", ylabel="rollout makespan (s)",
             title="makespan per epoch")
@@ -162,10 +163,12 @@ def main(argv: list[str] | None = None) -> None:
         table[c] = [{k: r[k] for k in r if k != "timeline"} for r in epochs]
         if base:
             for row, ref in zip(table[c], base, strict=True):
-                row["speedup_vs_off"] = round(ref["makespan_s"] / row["makespan_s"], 3)
+                if row["makespan_s"] and ref["makespan_s"]:
+                    row["speedup_vs_off"] = round(ref["makespan_s"] / row["makespan_s"], 3)
     for c, rows in table.items():
-        print(c, [(r["epoch"], round(r["makespan_s"], 1), r.get("speedup_vs_off"),
-                   r["accept_length"] and round(r["accept_length"], 2)) for r in rows])
+        print(c, [(r["epoch"], r["makespan_s"] and round(r["makespan_s"], 1),
+                   r.get("speedup_vs_off"), r["accept_length"] and round(r["accept_length"], 2))
+                  for r in rows])
     args = {k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, type(None)))}
     report.write({"benchmark": "rl_epochs", "args": args, "table": table, "runs": runs},
                  a.out, plot)

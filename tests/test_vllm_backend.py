@@ -316,7 +316,7 @@ def drafters(greedy_answers, prompts, tmp_path_factory) -> list[Path]:
             for i, steps in enumerate((150, 60, 0))]
 
 
-@pytest.mark.parametrize("method", ["ngram", "drafter"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "drafter"])
 def test_speculation_on_equals_off(model_dir: Path, prompts, offline, drafters, method) -> None:
     spec = SpecConfig(method=method, drafter=str(drafters[0]) if method == "drafter" else None,
                       num_draft_tokens=4, max_batch=8)

@@ -80,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     serve.add_argument("--spec-max-batch", type=int, default=SpecConfig.max_batch, metavar="N",
                        help="speculate while at most N sequences run")
     serve.add_argument("--tree-topk", type=int, default=SpecConfig.tree_topk, metavar="K",
-                       help="> 1: tree drafting (drafter or suffix), top-K children per expanded node")
+                       help="> 1: tree drafting (drafter or suffix), top-K children per "
+                       "expanded node")
     serve.add_argument("--verify-budget", type=int, default=SpecConfig.verify_budget,
                        metavar="N", help="tree nodes verified per request (default: 2x depth)")
     serve.add_argument("--min-draft-confidence", type=float, metavar="P",

@@ -7,11 +7,13 @@ speculation settings.
   share its prefix blocks.
 - Eager mode: no graph capture or compile at start, and target / drafter weights can be
   reloaded in place (``worker.py``).
-- Speculation: ``ngram`` → vLLM's n-gram method; ``drafter`` (and ``auto`` with a drafter)
-  → vLLM's EAGLE with our checkpoint, exported on load into a temporary directory. Tail-only
-  speculation: vLLM v1 has no switch that turns speculation off above a batch size, but its
+- Speculation: ``ngram`` → vLLM's n-gram method; ``suffix`` → vLLM's suffix decoding
+  (arctic-inference); ``drafter`` (and ``auto`` with a drafter) → vLLM's EAGLE with our
+  checkpoint, exported on load into a temporary directory. Tail-only speculation: vLLM v1 has
+  no switch that turns speculation off above a batch size, but its
   ``num_speculative_tokens_per_batch_size`` drafts K tokens up to ``max_batch`` sequences and
-  0 above (its EAGLE drafter still runs one forward per step there).
+  0 above (its EAGLE drafter still runs one forward per step there). Its suffix proposer
+  refuses such a schedule, so suffix speculates at every batch size.
 - On a CPU the OpenMP threads of vLLM's worker are bound to every core this process may use
   (vLLM otherwise keeps one core for its scheduler: half the speed on 2 cores).
 """
@@ -87,6 +89,9 @@ def resolve_spec(spec: SpecConfig, export_root: Path) -> VllmSpec:
                       prompt_lookup_max=spec.ngram_max_n)
         return VllmSpec("ngram", config)
     if method == "suffix":  # vLLM's suffix decoding: arctic-inference's SuffixDecodingCache
+        # Its proposer requires one draft length at every batch size (it asserts so): it
+        # speculates at every batch size, its drafts as long as its estimates allow.
+        del config["num_speculative_tokens_per_batch_size"]
         config.update(method="suffix", suffix_decoding_min_token_prob=spec.suffix_min_prob,
                       suffix_decoding_max_tree_depth=max(24, k + 16))
         return VllmSpec("suffix", config)

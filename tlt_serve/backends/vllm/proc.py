@@ -89,7 +89,9 @@ def _start(config: EngineConfig, scratch: Path) -> tuple[Any, EngineInfo, VllmSp
             method=config.spec.method,
             proposer=spec.proposer,
             num_draft_tokens=k,
-            max_batch=config.spec.max_batch if k else 0,
+            # vLLM's suffix decoding speculates at every batch size (resolve_spec)
+            max_batch=(config.cache.max_num_seqs if spec.proposer == "suffix"
+                       else config.spec.max_batch) if k else 0,
             drafter=config.spec.drafter if spec.proposer == "drafter" else None,
             strategies=(f"{spec.proposer}:{k}",) if k else (),
         ),
