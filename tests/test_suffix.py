@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from array import array
 from collections import Counter
 
 from tlt_serve.engine.request import Request
@@ -134,3 +135,15 @@ def test_history_is_per_prompt_survives_requests_and_stays_bounded() -> None:
         assert all(h.store.num_tokens <= 60 + 40 for h in drafts.histories.values())
     assert drafts.corpus.num_tokens <= cfg.max_corpus_tokens
     assert not drafts._live
+
+
+def test_a_sample_that_never_drafted_still_becomes_history() -> None:
+    """Most samples of a rollout end while the batch is too large to speculate: released
+    without ever being asked for a draft, they must still feed their siblings' tail."""
+    drafts = SuffixDrafts(SuffixConfig(key_len=2, max_match=4))
+    prompt = [1, 2, 3, 4]
+    drafts.release(_req("early", prompt, [10, 11, 12, 13, 14]))
+    tail = _req("tail", prompt, [10, 11])
+    assert drafts.propose([tail], [3]) == [[12, 13, 14]]
+    drafts.release(tail)
+    assert not drafts._live and drafts.histories[bytes(array("i", prompt))].live == 0

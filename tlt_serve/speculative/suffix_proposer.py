@@ -81,9 +81,11 @@ class SuffixDrafts:
         return trees
 
     def release(self, req: Request) -> None:
-        live = self._live.pop(req.rid, None)
-        if live is None:
-            return
+        """The request ended: its sample joins its prompt's history and the corpus, whether
+        or not it ever drafted (most samples of a rollout end while the batch is too large
+        to speculate, and are the history the tail drafts from)."""
+        live = self._live.get(req.rid) or self._start(req)
+        del self._live[req.rid]
         self._sync(req, live)
         h, cfg = live.history, self.config
         h.live -= 1
