@@ -6,6 +6,8 @@ import random
 from array import array
 from collections import Counter
 
+import pytest
+
 from tlt_serve.engine.request import Request
 from tlt_serve.sampling_params import SamplingParams
 from tlt_serve.speculative.suffix import SuffixConfig, SuffixStore, draft_tree
@@ -87,6 +89,19 @@ def test_draft_tree_probabilities_are_count_ratios() -> None:
     assert cut.tokens == [7]
 
 
+def test_smoothing_discounts_few_occurrences() -> None:
+    store = SuffixStore(key_len=2)
+    store.add([1, 2, 3, 7, 8])
+    m = store.match([1, 2, 3], max_match=8, max_candidates=100)
+    d = draft_tree(m, depth=4, budget=4, topk=1, min_prob=0.3, smoothing=0.5)
+    assert d.tokens == [7, 8] and d.probs == pytest.approx([2 / 3, 4 / 9])  # then 8 ends it
+    for _ in range(3):
+        store.add([1, 2, 3, 7, 8])
+    m = store.match([1, 2, 3], max_match=8, max_candidates=100)
+    d = draft_tree(m, depth=2, budget=2, topk=1, min_prob=0.0, smoothing=0.5)
+    assert d.probs == pytest.approx([4 / 4.5, (4 / 4.5) ** 2])  # four agreeing: near 1
+
+
 def test_a_repeating_sequence_drafts_its_period_past_its_end() -> None:
     store = SuffixStore(key_len=2)
     loop = [4, 5, 6] * 3
@@ -105,7 +120,7 @@ def _req(rid: str, prompt: list[int], out: list[int]) -> Request:
 
 def test_history_is_per_prompt_survives_requests_and_stays_bounded() -> None:
     cfg = SuffixConfig(key_len=2, max_match=4, max_store_tokens=60, max_corpus_tokens=40,
-                       max_total_tokens=200)
+                       max_total_tokens=200, spec_factor=1.0)
     drafts = SuffixDrafts(cfg)
     prompt, other = [1, 2, 3, 4], [9, 9, 8]
     answer = [10, 11, 12, 13, 14, 15]

@@ -86,11 +86,13 @@ class SpecConfig:
     ngram_min_n: int = 2
     ngram_max_n: int = 4
     # Drafts from rollout history (speculative/suffix.py). Under auto, suffix chains of these
-    # most depths and these (depth, top-k, budget) trees are arms, and so is the combination
-    # "suffix+drafter" (suffix drafts where it has one, drafter chains elsewhere) at
-    # auto_depths. Suffix drafts stop where their estimated acceptance falls below
-    # suffix_min_prob, so a depth is a cap, not a length.
-    suffix_depths: tuple[int, ...] = (4, 8)
+    # (most depth, estimated acceptance where the chain is cut) and these (depth, top-k,
+    # budget) trees are arms, and so is the combination "suffix+drafter" (suffix drafts where
+    # it has one, drafter chains elsewhere) at auto_depths. The suffix index's estimates are
+    # calibrated (speculative/suffix.py), so a cut is a price per verified row: a row costs
+    # more, relative to what a step yields, at a larger batch; each bucket learns which cut
+    # pays. Every suffix draft also stops below suffix_min_prob.
+    suffix_chains: tuple[tuple[int, float], ...] = ((8, 0.1), (8, 0.3), (8, 0.6))
     suffix_trees: tuple[tuple[int, int, int], ...] = ()
     suffix_min_prob: float = 0.1
     # A drafter chain stops where the product of its drafts' probabilities (the drafter's own
@@ -131,10 +133,12 @@ class SpecConfig:
                 ):
                     raise ConfigError(f"{name}: bad (depth, top-k, budget) {(depth, topk, budget)}")
         for name, depths in (("auto_depths", self.auto_depths),
-                             ("suffix_depths", self.suffix_depths)):
+                             ("suffix_chains", tuple(d for d, _ in self.suffix_chains))):
             bad = [d for d in depths if not 1 <= d <= MAX_DRAFT_TOKENS]
             if bad or not depths:
                 raise ConfigError(f"{name}: each must be in [1, {MAX_DRAFT_TOKENS}], got {bad}")
+        if any(not 0.0 <= p <= 1.0 for _, p in self.suffix_chains):
+            raise ConfigError(f"suffix_chains: cuts must be in [0, 1], got {self.suffix_chains}")
         if not 0.0 <= self.suffix_min_prob <= 1.0:
             raise ConfigError(f"suffix_min_prob: must be in [0, 1], got {self.suffix_min_prob}")
         if self.max_batch < 1:

@@ -32,7 +32,7 @@ from tlt_serve.speculative.drafter_proposer import DrafterProposer
 from tlt_serve.speculative.ngram import NgramConfig
 from tlt_serve.speculative.policy import PLAIN, Strategy, StrategyBandit
 from tlt_serve.speculative.proposer import NgramDrafts, NoProposer, Proposer, TreeProposer
-from tlt_serve.speculative.suffix import SuffixConfig
+from tlt_serve.speculative.suffix import Draft, SuffixConfig
 from tlt_serve.speculative.suffix_proposer import SuffixDrafts
 from tlt_serve.speculative.tree import DraftTree, verify_tree
 from tlt_serve.speculative.verify import ChainDrafts, verify_chain
@@ -60,6 +60,13 @@ def _chain_drafts(run: RunOutput, drafts: list[list[int]], reqs: list[Request]) 
         num_drafts=torch.tensor([len(d) for d in drafts]),
         params=tuple(r.params for r in reqs),
     )
+
+
+def _cut(draft: Draft, k: int, min_prob: float) -> list[int]:
+    """A chain's first ``k`` drafts, as far as their estimated acceptance reaches
+    ``min_prob`` (it only falls along a chain)."""
+    n = sum(1 for p in draft.probs[:k] if p >= min_prob)
+    return draft.tokens[:n]
 
 
 class SpecDecoder:
@@ -112,7 +119,7 @@ class SpecDecoder:
         ks = [self._room(r, strategy.depth) for r in reqs]
         name = strategy.proposer
         if free is not None and name in (self._free, COMBINED):  # a prefix of what it drafted
-            drafts = [d[:k] for d, k in zip(free, ks, strict=True)]
+            drafts = [_cut(d, k, strategy.min_prob) for d, k in zip(free, ks, strict=True)]
             if name == COMBINED:  # the drafter where the free proposer has nothing
                 rest = [0 if d else k for d, k in zip(drafts, ks, strict=True)]
                 drafted = self.proposers["drafter"].propose(reqs, rest)
@@ -121,19 +128,24 @@ class SpecDecoder:
             drafts = self.proposers[name].propose(reqs, ks)
         return Plan([DraftTree.chain(d) for d in drafts], chain=True) if any(drafts) else None
 
-    def _free_first(self, reqs: list[Request]) -> list[list[int]] | None:
+    def _free_first(self, reqs: list[Request]) -> list[Draft] | None:
         """Under ``auto``, the drafts of the model-free proposer (suffix or n-gram) at its
         deepest chain arm, asked before the policy chooses (speculative/policy.py: without
-        drafts its arms are no candidates)."""
+        drafts its arms are no candidates), with each draft's estimated acceptance (n-gram
+        drafts: 1)."""
         depth = self._free_depth
         if not depth or len(reqs) > self.policy.max_batch:
             return None
-        return self.proposers[self._free].propose(reqs, [self._room(r, depth) for r in reqs])
+        proposer = self.proposers[self._free]
+        ks = [self._room(r, depth) for r in reqs]
+        if isinstance(proposer, SuffixDrafts):
+            return proposer.propose_scored(reqs, ks)
+        return [Draft(d, list(range(len(d))), [1.0] * len(d)) for d in proposer.propose(reqs, ks)]
 
-    def _idle(self, free: list[list[int]] | None) -> tuple[str, ...]:
+    def _idle(self, free: list[Draft] | None) -> tuple[str, ...]:
         """Proposers whose arms would run a plain step: the free one without any draft (and
         the combination, which is then the drafter alone)."""
-        if free is None or any(free):
+        if free is None or any(d.tokens for d in free):
             return ()
         return (self._free, COMBINED)
 
@@ -254,7 +266,7 @@ def build_spec_decoder(
         feature_layers = drafter.spec.feature_layers
     names = [p for p in proposers if p != PLAIN.proposer]
     if auto:
-        arms = [PLAIN, *(Strategy("suffix", d) for d in config.suffix_depths)]
+        arms = [PLAIN, *(Strategy("suffix", d, min_prob=p) for d, p in config.suffix_chains)]
         arms += [Strategy("suffix", d, k, n) for d, k, n in config.suffix_trees]
         if "drafter" in proposers:
             arms += [Strategy(p, d) for p in ("drafter", COMBINED) for d in config.auto_depths]

@@ -1,6 +1,8 @@
 """Which speculation strategy a decode step uses: an online bandit per batch-size bucket.
 
-A strategy is (proposer, depth). Under ``--speculative auto``, ``none`` (plain decoding) is one
+A strategy is (proposer, depth), for trees also top-k and budget, for suffix chains also the
+estimated acceptance below which a chain is cut (a verified row costs more at a larger batch,
+so each bucket learns its own price). Under ``--speculative auto``, ``none`` (plain decoding) is one
 of the arms, so the bandit itself learns where speculation stops paying; a fixed method has one
 arm (its proposer at ``num_draft_tokens``) and no learning. Reward = tokens committed per second
 of the step (drafting + verify + acceptance, as the engine measured it). Per bucket the policy
@@ -54,10 +56,13 @@ def bucket_name(index: int) -> str:
 
 @dataclass(frozen=True, order=True)
 class Strategy:
-    proposer: str  # none | ngram | drafter
+    proposer: str  # none | ngram | suffix | drafter | suffix+drafter
     depth: int = 0  # draft depth (a chain's length); 0 for none
     topk: int = 1  # > 1: a tree, expanding the top-k children of each frontier node
     budget: int = 0  # tree nodes verified per request (trees only)
+    # Chains of proposers that estimate each draft's acceptance (suffix): the chain is cut
+    # where the estimate falls below this (a price per verified row; 0: the proposer's own).
+    min_prob: float = 0.0
 
     @property
     def is_tree(self) -> bool:
@@ -68,7 +73,8 @@ class Strategy:
             return "none"
         if self.is_tree:
             return f"{self.proposer}:{self.depth}x{self.topk}/{self.budget}"
-        return f"{self.proposer}:{self.depth}"
+        cut = f"@{self.min_prob:g}" if self.min_prob else ""
+        return f"{self.proposer}:{self.depth}{cut}"
 
 
 PLAIN = Strategy("none")

@@ -68,7 +68,11 @@ class SuffixDrafts:
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
         """A chain per request: the most frequent continuation, as deep as its estimated
         acceptance stays above ``min_prob`` (at most ``ks[b]``)."""
-        return [self.draft(r, k, k, 1).tokens for r, k in zip(reqs, ks, strict=True)]
+        return [d.tokens for d in self.propose_scored(reqs, ks)]
+
+    def propose_scored(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        """``propose``'s chains with each draft's estimated acceptance (falling along it)."""
+        return [self.draft(r, k, k, 1) for r, k in zip(reqs, ks, strict=True)]
 
     def propose_tree(
         self, reqs: Sequence[Request], depth: int, topk: int, budgets: Sequence[int]
@@ -116,7 +120,8 @@ class SuffixDrafts:
             if wider.length > match.length:
                 match = wider
         depth = min(depth, math.ceil(cfg.spec_factor * match.length))
-        return draft_tree(match, depth, budget, topk, cfg.min_prob, own=context)
+        return draft_tree(match, depth, budget, topk, cfg.min_prob, own=context,
+                          smoothing=cfg.smoothing)
 
     def _start(self, req: Request) -> _Live:
         key = array("i", req.prompt_ids).tobytes()
