@@ -57,7 +57,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--max-len", type=int, default=256, help="most tokens per sample")
+    p.add_argument("--max-len", type=int, default=512, help="most tokens per sample")
     p.add_argument("--configs", default="off,ngram,suffix,auto")
     p.add_argument("--drafter", default=None, help="drafter checkpoint for auto")
     p.add_argument("--spec-max-batch", type=int, default=8)
@@ -73,7 +73,7 @@ def server_flags(a: argparse.Namespace, config: str) -> list[str]:
     name, backend = split_config(config)
     flags = [*FLAGS[name], "--model", a.model, "--dtype", a.dtype, "--backend", backend,
              "--max-num-seqs", str(a.prompts * a.n), "--spec-max-batch", str(a.spec_max_batch),
-             "--max-model-len", "512"]
+             "--max-model-len", str(a.max_len + 256)]
     if name == "auto" and a.drafter:
         flags += ["--drafter", a.drafter]
     return flags

@@ -1,0 +1,211 @@
+"""Suffix drafts on recorded RL rollouts: how well their acceptance estimates are calibrated
+and how many drafts each setting gets accepted in the small-batch phase, without timing.
+
+The rollouts are ``benchmarks/rl_epochs.py``'s (the same prompts x n samples at T = 1, drift
+version e at epoch e), recorded once with speculation off (``--samples``: reused when the file
+exists). They are then replayed through ``SuffixDrafts`` as the engine would feed it: every
+sample of an epoch decodes one token per step without drafting until at most ``--tail``
+remain (the small-batch phase), finished samples join their prompt's history; in that phase
+each step every running sample asks for a draft and advances by the drafts its sampled
+continuation agrees with, plus one. For a draft that is a chain or tree of single tokens,
+"the sampled token equals the draft" is accepted with the probability the target's sampler
+gives that token, the same as the verifier's rejection test, so the accept lengths are those
+a served rollout of these samples would have (the timing is not modelled).
+
+Calibration: for every drafted chain node (depth 8, no cut) its estimated acceptance against
+whether it was accepted, with and without count smoothing.
+
+    python -m benchmarks.suffix_accept
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from benchmarks import report, rl_epochs
+from benchmarks.drift import DriftConfig, version_dirs
+from benchmarks.serverproc import running_server
+from clients.tasks import make_problems, prompt_ids
+from tlt_serve.engine.request import Request
+from tlt_serve.models.provision import resolve_model_path
+from tlt_serve.models.tokenizer import load_tokenizer
+from tlt_serve.sampling_params import SamplingParams
+from tlt_serve.speculative.suffix import SuffixConfig
+from tlt_serve.speculative.suffix_proposer import SuffixDrafts
+
+# (label, config, depth, budget, top-k)
+SETTINGS = [
+    ("chain, cut 0.1", SuffixConfig(), 8, 8, 1),
+    ("chain, cut 0.3", SuffixConfig(min_prob=0.3), 8, 8, 1),
+    ("chain, cut 0.6", SuffixConfig(min_prob=0.6), 8, 8, 1),
+    ("tree 4 children, 16 nodes", SuffixConfig(), 8, 16, 4),
+    ("chain, unsmoothed, 3-token keys, depth <= match",
+     SuffixConfig(key_len=3, smoothing=0.0, spec_factor=1.0), 8, 8, 1),
+]
+BINS = 10
+
+
+def record(a: Any) -> list[list[dict[str, Any]]]:
+    """Every epoch's samples (prompt ids and output ids), speculation off."""
+    tok = load_tokenizer(resolve_model_path(a.model))
+    prompts = [list(p) for p in prompt_ids(tok, make_problems(a.prompts, a.seed))]
+    versions = version_dirs(DriftConfig(model=a.model, versions=a.epochs))
+    epochs = []
+    with running_server(rl_epochs.server_flags(a, "off")) as url:
+        for e in range(a.epochs):
+            if e:
+                httpx.post(f"{url}/update_weights_from_disk", timeout=600, json={
+                    "model_path": str(versions[e]), "weight_version": str(e)}).raise_for_status()
+            reqs = rl_epochs.epoch_requests(a, prompts, e)
+            outs = asyncio.run(_generate(url, reqs, f"record epoch {e}"))
+            epochs.append([{"prompt": ids, "ids": o} for (ids, _), o in zip(reqs, outs,
+                                                                             strict=True)])
+    return epochs
+
+
+async def _generate(url: str, reqs: list, label: str) -> list[list[int]]:
+    limits = httpx.Limits(max_connections=len(reqs) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=7200, limits=limits) as http:
+        bar = tqdm(total=len(reqs), desc=label)
+
+        async def one(ids: list[int], params: dict) -> list[int]:
+            r = await http.post("/generate", json={"input_ids": ids, "sampling_params": params})
+            r.raise_for_status()
+            bar.update(1)
+            return r.json()["output_ids"]
+
+        outs = await asyncio.gather(*(one(i, p) for i, p in reqs))
+        bar.close()
+    return list(outs)
+
+
+def _accepted(tokens: list[int], parents: list[int], truth: list[int]) -> tuple[int, list[bool]]:
+    """The deepest draft node whose path the sampled continuation follows, and per node
+    whether it is on that path's prefix (accepted)."""
+    depth, ok, best = [0], [True], 0
+    for t, p in zip(tokens, parents, strict=True):
+        d = depth[p] + 1
+        depth.append(d)
+        ok.append(ok[p] and d < len(truth) and truth[d - 1] == t)
+        best = max(best, d) if ok[-1] else best
+    return best, ok[1:]
+
+
+def replay(epochs: list[list[dict[str, Any]]], config: SuffixConfig, depth: int, budget: int,
+           topk: int, tail: int, calibration: list | None = None) -> list[dict[str, Any]]:
+    """Accept length per epoch in the small-batch phase (module docstring)."""
+    drafts = SuffixDrafts(config)
+    rows = []
+    for e, samples in enumerate(epochs):
+        reqs = []
+        for i, s in enumerate(samples):
+            params = SamplingParams(max_new_tokens=max(1, len(s["ids"])))
+            r = Request(f"{e}-{i}", s["prompt"], params, None)
+            reqs.append((r, s["ids"]))
+        lengths = sorted(len(ids) for _, ids in reqs)
+        start = lengths[-tail - 1] if len(lengths) > tail else 0
+        running = []
+        for r, ids in reqs:
+            r.output_ids = ids[:start]
+            if len(r.output_ids) >= len(ids):
+                drafts.release(r)
+            else:
+                running.append((r, ids))
+        verifies = accepted = drafted = 0
+        while running:
+            nxt = []
+            for r, ids in running:
+                d = drafts.draft(r, depth, budget, topk)
+                truth = ids[len(r.output_ids):]
+                best, ok = _accepted(d.tokens, d.parents, truth)
+                if calibration is not None:
+                    calibration += zip(d.probs, ok, strict=True)
+                verifies, accepted, drafted = verifies + 1, accepted + best, drafted + len(d.tokens)
+                r.output_ids = ids[: len(r.output_ids) + best + 1]
+                if len(r.output_ids) >= len(ids):
+                    drafts.release(r)
+                else:
+                    nxt.append((r, ids))
+            running = nxt
+        rows.append({"epoch": e, "phase_starts_at": start, "verifies": verifies,
+                     "accept_length": round(accepted / verifies, 3) if verifies else None,
+                     "drafted_per_verify": round(drafted / verifies, 2) if verifies else None})
+    return rows
+
+
+def calibrate(epochs: list, smoothing: float, tail: int) -> list[dict[str, Any]]:
+    """Per estimated-acceptance bin: drafted nodes and the fraction accepted."""
+    pairs: list[tuple[float, bool]] = []
+    cfg = replace(SuffixConfig(), smoothing=smoothing, min_prob=0.0, spec_factor=8.0)
+    replay(epochs, cfg, 8, 8, 1, tail, calibration=pairs)
+    bins = [[0, 0] for _ in range(BINS)]
+    for p, ok in pairs:
+        b = bins[min(int(p * BINS), BINS - 1)]
+        b[0], b[1] = b[0] + 1, b[1] + ok
+    return [{"estimated": [i / BINS, (i + 1) / BINS], "nodes": n,
+             "accepted": round(k / n, 3) if n else None} for i, (n, k) in enumerate(bins)]
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    plt = report.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, table in result["calibration"].items():
+        xs = [sum(r["estimated"]) / 2 for r in table if r["nodes"]]
+        ax1.plot(xs, [r["accepted"] for r in table if r["nodes"]], marker="o", label=label)
+    ax1.plot([0, 1], [0, 1], color="grey", linestyle=":")
+    ax1.set(xlabel="estimated acceptance of a drafted node", ylabel="fraction accepted",
+            title="calibration (chain nodes, depth 8)")
+    ax1.legend(fontsize=7)
+    for label, rows in result["accept"].items():
+        ax2.plot([r["epoch"] for r in rows], [r["accept_length"] or 0 for r in rows],
+                 marker="o", label=label)
+    ax2.set(xlabel="epoch (weights drift between epochs)", ylabel="accepted drafts per verify",
+            title=f"small-batch phase (<= {result['args']['tail']} running)")
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"recorded rollouts, {result['machine']}, {result['date']}", fontsize=8)
+    report.save(fig, png)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = report.parser(__doc__)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=1024, help="most tokens per sample")
+    p.add_argument("--tail", type=int, default=8, help="the small-batch phase: this many left")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", default="benchmarks/results/suffix_accept_samples.json",
+                   help="recorded rollouts (written when missing)")
+    p.add_argument("--out", default="benchmarks/results/suffix_accept.json")
+    a = p.parse_args(argv)
+    a.spec_max_batch, a.configs, a.drafter = a.tail, "off", None
+    path = Path(a.samples)
+    if not path.exists():
+        path.write_text(json.dumps(record(a)))
+    epochs = json.loads(path.read_text())
+    calibration = {f"smoothing {s}": calibrate(epochs, s, a.tail) for s in (0.0, 0.5)}
+    accept = {}
+    for label, cfg, depth, budget, topk in tqdm(SETTINGS, desc="settings"):
+        accept[label] = replay(epochs, cfg, depth, budget, topk, a.tail)
+    for label, rows in accept.items():
+        print(f"{label}: " + ", ".join(
+            f"e{r['epoch']} {r['accept_length']} ({r['drafted_per_verify']} drafted)"
+            for r in rows))
+    for label, table in calibration.items():
+        print(label, [(r["estimated"][0], r["nodes"], r["accepted"]) for r in table])
+    args = {k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, type(None)))}
+    report.write({"benchmark": "suffix_accept", "args": args, "calibration": calibration,
+                  "accept": accept}, a.out, plot)
+
+
+if __name__ == "__main__":
+    main()
