@@ -50,18 +50,23 @@ FLAGS = {
 }
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = report.parser(__doc__)
+def workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The rollouts' shape: model, prompts x n, epochs, sample length, seed."""
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--max-len", type=int, default=512, help="most tokens per sample")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = report.parser(__doc__)
+    workload_arguments(p)
     p.add_argument("--configs", default="off,ngram,suffix,auto")
     p.add_argument("--drafter", default=None, help="drafter checkpoint for auto")
     p.add_argument("--spec-max-batch", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/rl_epochs.json")
     a = p.parse_args(argv)
     # What rollout_load's rollout mode reads.
@@ -86,12 +91,25 @@ def epoch_requests(a: argparse.Namespace, prompts: list[list[int]], epoch: int) 
             for i, ids in enumerate(prompts) for j in range(a.n)]
 
 
-def run_epoch(a: argparse.Namespace, config: str, url: str, prompts: list[list[int]],
-              versions: list[Path], e: int) -> dict[str, Any]:
+def workload(a: argparse.Namespace) -> tuple[list[list[int]], list[Path]]:
+    """The task prompts' token ids and each epoch's weights (drift versions)."""
+    tok = load_tokenizer(resolve_model_path(a.model))
+    prompts = [list(p) for p in prompt_ids(tok, make_problems(a.prompts, a.seed))]
+    return prompts, version_dirs(DriftConfig(model=a.model, versions=a.epochs))
+
+
+def load_epoch_weights(url: str, versions: list[Path], e: int) -> None:
+    """Epoch e's weights (drift version e) into the server at ``url``; epoch 0 keeps the
+    model's own."""
     if e:
         r = httpx.post(f"{url}/update_weights_from_disk", timeout=600, json={
             "model_path": str(versions[e]), "weight_version": str(e)})
         r.raise_for_status()
+
+
+def run_epoch(a: argparse.Namespace, config: str, url: str, prompts: list[list[int]],
+              versions: list[Path], e: int) -> dict[str, Any]:
+    load_epoch_weights(url, versions, e)
     stats = asyncio.run(rollout_mode(url, a, epoch_requests(a, prompts, e), f"{config} e{e}"))
     keep = ("makespan_s", "small_batch_s", "ceiling_free", "ceiling_2x", "tok_s", "tokens",
             "errors", "accept_length")
@@ -147,10 +165,7 @@ def plot(result: dict[str, Any], png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse(argv)
-    tok = load_tokenizer(resolve_model_path(a.model))
-    problems = make_problems(a.prompts, a.seed)
-    prompts = [list(p) for p in prompt_ids(tok, problems)]
-    versions = version_dirs(DriftConfig(model=a.model, versions=a.epochs))
+    prompts, versions = workload(a)
     configs = a.configs.split(",")
     native = [c for c in configs if split_config(c)[1] == "native"]
     runs = run_native(a, native, prompts, versions)

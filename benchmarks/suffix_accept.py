@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,8 @@ import httpx
 from tqdm import tqdm
 
 from benchmarks import report, rl_epochs
-from benchmarks.drift import DriftConfig, version_dirs
 from benchmarks.serverproc import running_server
-from clients.tasks import make_problems, prompt_ids
 from tlt_serve.engine.request import Request
-from tlt_serve.models.provision import resolve_model_path
-from tlt_serve.models.tokenizer import load_tokenizer
 from tlt_serve.sampling_params import SamplingParams
 from tlt_serve.speculative.suffix import SuffixConfig
 from tlt_serve.speculative.suffix_proposer import SuffixDrafts
@@ -54,15 +49,11 @@ BINS = 10
 
 def record(a: Any) -> list[list[dict[str, Any]]]:
     """Every epoch's samples (prompt ids and output ids), speculation off."""
-    tok = load_tokenizer(resolve_model_path(a.model))
-    prompts = [list(p) for p in prompt_ids(tok, make_problems(a.prompts, a.seed))]
-    versions = version_dirs(DriftConfig(model=a.model, versions=a.epochs))
+    prompts, versions = rl_epochs.workload(a)
     epochs = []
     with running_server(rl_epochs.server_flags(a, "off")) as url:
         for e in range(a.epochs):
-            if e:
-                httpx.post(f"{url}/update_weights_from_disk", timeout=600, json={
-                    "model_path": str(versions[e]), "weight_version": str(e)}).raise_for_status()
+            rl_epochs.load_epoch_weights(url, versions, e)
             reqs = rl_epochs.epoch_requests(a, prompts, e)
             outs = asyncio.run(_generate(url, reqs, f"record epoch {e}"))
             epochs.append([{"prompt": ids, "ids": o} for (ids, _), o in zip(reqs, outs,
@@ -143,7 +134,7 @@ def replay(epochs: list[list[dict[str, Any]]], config: SuffixConfig, depth: int,
 def calibrate(epochs: list, smoothing: float, tail: int) -> list[dict[str, Any]]:
     """Per estimated-acceptance bin: drafted nodes and the fraction accepted."""
     pairs: list[tuple[float, bool]] = []
-    cfg = replace(SuffixConfig(), smoothing=smoothing, min_prob=0.0, spec_factor=8.0)
+    cfg = SuffixConfig(smoothing=smoothing, min_prob=0.0, spec_factor=8.0)
     replay(epochs, cfg, 8, 8, 1, tail, calibration=pairs)
     bins = [[0, 0] for _ in range(BINS)]
     for p, ok in pairs:
@@ -175,14 +166,9 @@ def plot(result: dict[str, Any], png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = report.parser(__doc__)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--max-len", type=int, default=1024, help="most tokens per sample")
+    rl_epochs.workload_arguments(p)
+    p.set_defaults(max_len=1024)
     p.add_argument("--tail", type=int, default=8, help="the small-batch phase: this many left")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", default="benchmarks/results/suffix_accept_samples.json",
                    help="recorded rollouts (written when missing)")
     p.add_argument("--out", default="benchmarks/results/suffix_accept.json")

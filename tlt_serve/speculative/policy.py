@@ -2,14 +2,14 @@
 
 A strategy is (proposer, depth), for trees also top-k and budget, for suffix chains also the
 estimated acceptance below which a chain is cut (a verified row costs more at a larger batch,
-so each bucket learns its own price). Under ``--speculative auto``, ``none`` (plain decoding) is one
-of the arms, so the bandit itself learns where speculation stops paying; a fixed method has one
-arm (its proposer at ``num_draft_tokens``) and no learning. Reward = tokens committed per second
-of the step (drafting + verify + acceptance, as the engine measured it). Per bucket the policy
-is ε-greedy over the MEDIAN reward of each arm's recent ``window`` steps (robust to the noisy,
-shared CPU); every arm is tried ``min_trials`` times first (speculative ones before plain).
-Above ``max_batch`` running sequences nothing speculates (a hard switch, no exploration cost
-at large batches).
+so each bucket learns its own price). Under ``--speculative auto``, ``none`` (plain decoding)
+is one of the arms, so the bandit itself learns where speculation stops paying; a fixed method
+has one arm (its proposer at ``num_draft_tokens``) and no learning. Reward = tokens committed
+per second of the step (drafting + verify + acceptance, as the engine measured it). Per bucket
+the policy is ε-greedy over the MEDIAN reward of each arm's recent ``window`` steps (robust to
+the noisy, shared CPU); every arm is tried ``min_trials`` times first (speculative ones before
+plain). Above ``max_batch`` running sequences nothing speculates (a hard switch, no exploration
+cost at large batches).
 
 Proposers that are known to have no drafts this step are ``idle`` and their arms are not
 candidates. The n-gram proposer is free to ask and most steps it has nothing (it drafts on a
