@@ -10,7 +10,12 @@ each step every running sample asks for a draft and advances by the drafts its s
 continuation agrees with, plus one. For a draft that is a chain or tree of single tokens,
 "the sampled token equals the draft" is accepted with the probability the target's sampler
 gives that token, the same as the verifier's rejection test, so the accept lengths are those
-a served rollout of these samples would have (the timing is not modelled).
+a served rollout of these samples would have (the timing is not modelled). Between epochs
+the proposer hears that the weights changed, as the engine tells it on a weight update.
+
+The ceiling: every verify accepts as much as the best of the occurrences the lookup found
+would have given (a perfect choice among them, chains 8 deep): what better counting or
+scoring can reach without indexing more.
 
 Calibration: for every drafted chain node (depth 8, no cut) its estimated acceptance against
 whether it was accepted, with and without count smoothing.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +38,7 @@ from benchmarks import report, rl_epochs
 from benchmarks.serverproc import running_server
 from tlt_serve.engine.request import Request
 from tlt_serve.sampling_params import SamplingParams
-from tlt_serve.speculative.suffix import SuffixConfig
+from tlt_serve.speculative.suffix import Match, SuffixConfig
 from tlt_serve.speculative.suffix_proposer import SuffixDrafts
 
 # (label, config, depth, budget, top-k)
@@ -41,9 +47,11 @@ SETTINGS = [
     ("chain, cut 0.3", SuffixConfig(min_prob=0.3), 8, 8, 1),
     ("chain, cut 0.6", SuffixConfig(min_prob=0.6), 8, 8, 1),
     ("tree 4 children, 16 nodes", SuffixConfig(), 8, 16, 4),
+    ("chain, cut 0.1, earlier epochs not discounted", SuffixConfig(stale_weight=1.0), 8, 8, 1),
     ("chain, unsmoothed, 3-token keys, depth <= match",
      SuffixConfig(key_len=3, smoothing=0.0, spec_factor=1.0), 8, 8, 1),
 ]
+CEILING = "ceiling: the best occurrence found, depth 8"
 BINS = 10
 
 
@@ -89,12 +97,34 @@ def _accepted(tokens: list[int], parents: list[int], truth: list[int]) -> tuple[
     return best, ok[1:]
 
 
+def _best_occurrence(match: Match, own: Sequence[int], truth: list[int], depth: int) -> int:
+    """How far the sampled continuation agrees with what followed the best occurrence of the
+    match (an occurrence in the sequence itself that reaches its end goes on with the
+    continuation: the period of a loop)."""
+    best = 0
+    for seq, pos, _ in match.at:
+        n = 0
+        while n < min(depth, len(truth)):
+            i = pos + n
+            t = seq[i] if i < len(seq) else truth[i - len(seq)] if seq is own else None
+            if t != truth[n]:
+                break
+            n += 1
+        best = max(best, n)
+    return best
+
+
 def replay(epochs: list[list[dict[str, Any]]], config: SuffixConfig, depth: int, budget: int,
-           topk: int, tail: int, calibration: list | None = None) -> list[dict[str, Any]]:
-    """Accept length per epoch in the small-batch phase (module docstring)."""
+           topk: int, tail: int, calibration: list | None = None, ceiling: bool = False
+           ) -> list[dict[str, Any]]:
+    """Accept length per epoch in the small-batch phase (module docstring). ``ceiling``: each
+    verify accepts what the best of the occurrences the lookup found would have (the most
+    a choice among them can get, chains ``depth`` deep)."""
     drafts = SuffixDrafts(config)
     rows = []
     for e, samples in enumerate(epochs):
+        if e:
+            drafts.weights_changed()  # the next drift version writes this epoch
         reqs = []
         for i, s in enumerate(samples):
             params = SamplingParams(max_new_tokens=max(1, len(s["ids"])))
@@ -113,12 +143,16 @@ def replay(epochs: list[list[dict[str, Any]]], config: SuffixConfig, depth: int,
         while running:
             nxt = []
             for r, ids in running:
-                d = drafts.draft(r, depth, budget, topk)
                 truth = ids[len(r.output_ids):]
-                best, ok = _accepted(d.tokens, d.parents, truth)
-                if calibration is not None:
-                    calibration += zip(d.probs, ok, strict=True)
-                verifies, accepted, drafted = verifies + 1, accepted + best, drafted + len(d.tokens)
+                if ceiling:
+                    match, own = drafts.lookup(r)
+                    best, n = _best_occurrence(match, own, truth, depth), depth
+                else:
+                    d = drafts.draft(r, depth, budget, topk)
+                    (best, ok), n = _accepted(d.tokens, d.parents, truth), len(d.tokens)
+                    if calibration is not None:
+                        calibration += zip(d.probs, ok, strict=True)
+                verifies, accepted, drafted = verifies + 1, accepted + best, drafted + n
                 r.output_ids = ids[: len(r.output_ids) + best + 1]
                 if len(r.output_ids) >= len(ids):
                     drafts.release(r)
@@ -182,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     accept = {}
     for label, cfg, depth, budget, topk in tqdm(SETTINGS, desc="settings"):
         accept[label] = replay(epochs, cfg, depth, budget, topk, a.tail)
+    accept[CEILING] = replay(epochs, SuffixConfig(), 8, 8, 1, a.tail, ceiling=True)
     for label, rows in accept.items():
         print(f"{label}: " + ", ".join(
             f"e{r['epoch']} {r['accept_length']} ({r['drafted_per_verify']} drafted)"

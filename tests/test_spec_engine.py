@@ -591,3 +591,28 @@ def test_drafter_checkpoint_round_trips(tiny_model_dir, drafters, tmp_path) -> N
 def test_invalid_speculation_settings_name_the_field(spec, field) -> None:
     with pytest.raises(ConfigError, match=f"^{field}"):
         EngineConfig(spec=spec).validate()
+
+
+def test_a_weight_update_discounts_the_suffix_history(tiny_model_dir) -> None:
+    """History written by the old weights counts ``stale_weight`` once the target changes
+    (a failed update changes nothing); drafts from it stay exact."""
+    from tlt_serve.models.loader import iter_safetensors
+
+    spec = SpecConfig(method="suffix", num_draft_tokens=8)
+    llm = make_llm(tiny_model_dir, spec)
+    params = varied_params()
+    plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
+    llm.generate(PROMPTS, params)
+    suffix = llm.engine.spec.proposers["suffix"]
+    stores = [h.store for h in suffix.histories.values()] + [suffix.corpus]
+
+    def weights() -> set[float]:
+        return {w for s in stores for w in s.weights.values()}
+
+    assert weights() == {1.0}
+    assert not llm.engine.update_weights([("model.norm.weight", torch.ones(3))], "bad").ok
+    assert weights() == {1.0}
+    assert llm.engine.update_weights(iter_safetensors(tiny_model_dir), "1").ok
+    assert weights() == {suffix.config.stale_weight}
+    again = llm.generate(PROMPTS, params)  # the same weights: stale drafts still exact
+    assert [o.samples[0].token_ids for o in again] == [r.samples[0].token_ids for r in plain]

@@ -45,7 +45,7 @@ def test_longest_match_and_follower_counts_equal_brute_force() -> None:
         m = store.match(context, max_match=6, max_candidates=10_000, max_kept=10_000)
         length, followers = brute_match(seqs, context, 2, 6)
         assert m.length == length
-        assert Counter(seq[pos] for seq, pos in m.at) == followers
+        assert Counter(seq[pos] for seq, pos, _ in m.at) == followers
 
 
 def test_removal_leaves_the_index_a_rebuild_would_have() -> None:
@@ -100,6 +100,33 @@ def test_smoothing_discounts_few_occurrences() -> None:
     m = store.match([1, 2, 3], max_match=8, max_candidates=100)
     d = draft_tree(m, depth=2, budget=2, topk=1, min_prob=0.0, smoothing=0.5)
     assert d.probs == pytest.approx([4 / 4.5, (4 / 4.5) ** 2])  # four agreeing: near 1
+
+
+def test_discounted_sequences_count_their_weight() -> None:
+    store = SuffixStore(key_len=2)
+    for tail in ([7], [7], [7]):
+        store.add([1, 2, 3, *tail])
+    store.discount(0.25)  # three old occurrences of 7 weigh 0.75
+    store.add([1, 2, 3, 9])  # one new occurrence of 9 weighs 1
+    m = store.match([1, 2, 3], max_match=8, max_candidates=100)
+    d = draft_tree(m, depth=1, budget=2, topk=2, min_prob=0.0, smoothing=0.25)
+    assert d.tokens == [9, 7] and d.probs == pytest.approx([1 / 2, 0.75 / 2])
+    store.discount(0.0)  # nothing indexed counts: no draft clears a positive price
+    m = store.match([1, 2, 3], max_match=8, max_candidates=100)
+    assert draft_tree(m, depth=1, budget=2, topk=2, min_prob=0.01).tokens == []
+
+
+def test_history_written_by_old_weights_drafts_at_a_discount() -> None:
+    drafts = SuffixDrafts(SuffixConfig(key_len=2, max_match=4, stale_weight=0.5))
+    prompt = [1, 2, 3, 4]
+    drafts.release(_req("old", prompt, [10, 11, 12, 13]))
+    before = drafts.propose_scored([_req("a", prompt, [10, 11])], [2])[0]
+    drafts.weights_changed()
+    after = drafts.propose_scored([_req("b", prompt, [10, 11])], [2])[0]
+    assert before.tokens == after.tokens == [12, 13]
+    # One occurrence: 1 / (1 + 0.5) while current; stale, it weighs 0.5, as much as the
+    # smoothing: 0.5 / (0.5 + 0.5).
+    assert before.probs[0] == pytest.approx(2 / 3) and after.probs[0] == pytest.approx(1 / 2)
 
 
 def test_a_repeating_sequence_drafts_its_period_past_its_end() -> None:

@@ -235,8 +235,7 @@ class Engine:
         if n == 0:
             return UpdateResult(False, "no weights in the update", self.weight_version)
         self.weight_version = version if version is not None else next_version(self.weight_version)
-        if (drafter := self.spec.drafter) is not None:
-            drafter.refresh_head()  # a sliced draft head copies rows of the target's head
+        self.spec.weights_changed()
         log.info("weights updated (%d tensors) → version %s", n, self.weight_version)
         return UpdateResult(True, f"updated {n} tensors", self.weight_version)
 

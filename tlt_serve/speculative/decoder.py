@@ -245,6 +245,10 @@ class SpecDecoder:
         for p in self.proposers.values():
             p.move_row(src, dst, length)
 
+    def weights_changed(self) -> None:
+        for p in self.proposers.values():
+            p.weights_changed()
+
 
 def build_spec_decoder(
     config: SpecConfig, target: LlamaModel, rows: int, max_len: int, seed: int = 0

@@ -149,6 +149,9 @@ class DrafterProposer:
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.kv.copy_row(src, dst, length)
 
+    def weights_changed(self) -> None:
+        self.drafter.refresh_head()  # a sliced draft head copies rows of the target's head
+
 
 def _tokens(req: Request, lo: int, hi: int) -> list[int]:
     """Tokens at positions [lo, hi) of the request's prompt + output."""

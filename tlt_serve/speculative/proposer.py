@@ -8,7 +8,9 @@ it only needs to hear about what the engine alone knows:
   committed (drafters only: ``needs_features``), after every target forward;
 - ``release(req)``: the request finished or was aborted (its state can go);
 - ``move_row(src, dst, length)``: the scheduler compacted KV rows (proposers with their own
-  per-row cache follow it).
+  per-row cache follow it);
+- ``weights_changed()``: the target's weights were updated (drafts from what the old weights
+  wrote predict the new ones less).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class Proposer(Protocol):
 
     def move_row(self, src: int, dst: int, length: int) -> None: ...
 
+    def weights_changed(self) -> None: ...
+
 
 @runtime_checkable
 class TreeProposer(Protocol):
@@ -64,6 +68,9 @@ class NoProposer:
         pass
 
     def move_row(self, src: int, dst: int, length: int) -> None:
+        pass
+
+    def weights_changed(self) -> None:
         pass
 
 
@@ -103,3 +110,6 @@ class NgramDrafts:
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         pass
+
+    def weights_changed(self) -> None:
+        pass  # it drafts the most recent follower, already what the newest weights wrote

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 KEY_BITS = 21
+Occurrence = tuple[Sequence[int], int, float]  # sequence, follower position, weight
 _POS_BITS = 32
 _POS_MASK = (1 << _POS_BITS) - 1
 
@@ -51,6 +52,9 @@ class SuffixConfig:
     max_store_tokens: int = 1 << 16  # one prompt's history (live sequences always kept)
     max_corpus_tokens: int = 1 << 17  # the cross-prompt corpus of finished outputs
     max_total_tokens: int = 1 << 22  # every prompt's history together
+    # What an occurrence written before the target's weights last changed counts, per
+    # update since (1: history is as good as new; 0: only what the current weights wrote).
+    stale_weight: float = 0.25
 
     def validate(self) -> None:
         if not 1 <= self.key_len <= 63 // KEY_BITS:
@@ -61,15 +65,17 @@ class SuffixConfig:
             raise ValueError(f"min_prob: must be in [0, 1], got {self.min_prob}")
         if self.smoothing < 0.0:
             raise ValueError(f"smoothing: must be >= 0, got {self.smoothing}")
+        if not 0.0 <= self.stale_weight <= 1.0:
+            raise ValueError(f"stale_weight: must be in [0, 1], got {self.stale_weight}")
 
 
 @dataclass(frozen=True)
 class Match:
-    """The longest match found: its length and the occurrences (sequence, follower position)
-    that have it, most recent first."""
+    """The longest match found: its length and the occurrences (sequence, follower position,
+    the sequence's weight) that have it, most recent first."""
 
     length: int
-    at: list[tuple[Sequence[int], int]]
+    at: list[Occurrence]
 
 
 def _key(tokens: Sequence[int], end: int, n: int) -> int:
@@ -85,6 +91,7 @@ class SuffixStore:
     def __init__(self, key_len: int = 3) -> None:
         self.key_len = key_len
         self.seqs: dict[int, array[int]] = {}  # id -> tokens, oldest first
+        self.weights: dict[int, float] = {}  # id -> what its occurrences count (new: 1)
         self.index: dict[int, int | array[int]] = {}  # key -> packed (id, pos): one or many
         self.num_tokens = 0
         self._next = 0
@@ -93,8 +100,14 @@ class SuffixStore:
         sid = self._next
         self._next += 1
         self.seqs[sid] = array("i")
+        self.weights[sid] = 1.0
         self.extend(sid, tokens)
         return sid
+
+    def discount(self, factor: float) -> None:
+        """Scale what every sequence indexed so far counts (the writer changed)."""
+        for sid in self.weights:
+            self.weights[sid] *= factor
 
     def extend(self, sid: int, tokens: Iterable[int]) -> None:
         """Append to sequence ``sid``; each new token is indexed as the follower of the
@@ -118,6 +131,7 @@ class SuffixStore:
     def remove(self, sid: int) -> None:
         """Forget a sequence and every occurrence in it."""
         seq, n, index = self.seqs.pop(sid), self.key_len, self.index
+        del self.weights[sid]
         self.num_tokens -= len(seq)
         for end in range(n, len(seq)):
             key = _key(seq, end, n)
@@ -149,9 +163,10 @@ class SuffixStore:
             return Match(0, [])
         recent = (hits,) if isinstance(hits, int) else hits[-max_candidates:]
         best = 0
-        at: list[tuple[Sequence[int], int]] = []
+        at: list[Occurrence] = []
         for packed in reversed(recent):
-            seq, pos = self.seqs[packed >> _POS_BITS], packed & _POS_MASK
+            sid, pos = packed >> _POS_BITS, packed & _POS_MASK
+            seq = self.seqs[sid]
             # The longest L in [n, hi] with seq[pos-L:pos] == context[end-L:]: equal suffixes
             # nest, so a binary search over slice comparisons (run in C) finds it.
             lo, hi = n, min(max_match, pos, end)
@@ -164,9 +179,9 @@ class SuffixStore:
                 else:
                     hi = mid - 1
             if lo > best:
-                best, at = lo, [(seq, pos)]
+                best, at = lo, [(seq, pos, self.weights[sid])]
             elif lo == best and len(at) < max_kept:
-                at.append((seq, pos))
+                at.append((seq, pos, self.weights[sid]))
             if best == max_match and len(at) >= max_kept:
                 break  # nothing longer exists; enough occurrences to count
         return Match(best, at)
@@ -195,7 +210,7 @@ def draft_tree(
     if not match.at or budget <= 0 or depth <= 0:
         return out
     # Heap of (-prob, tiebreak, node id, depth, occurrences, path tokens).
-    heap: list[tuple[float, int, int, int, list[tuple[Sequence[int], int]], list[int]]] = []
+    heap: list[tuple[float, int, int, int, list[Occurrence], list[int]]] = []
     order = itertools.count()  # ties pop in push order
     push = functools.partial(_push_children, heap, order, topk=topk, min_prob=min_prob,
                              own=own, smoothing=smoothing)
@@ -212,23 +227,26 @@ def draft_tree(
 
 
 def _push_children(
-    heap: list, order: itertools.count, at: list[tuple[Sequence[int], int]], prob: float,
+    heap: list, order: itertools.count, at: list[Occurrence], prob: float,
     node: int, d: int, path: list[int], *, topk: int, min_prob: float,
     own: Sequence[int] | None, smoothing: float,
 ) -> None:
-    """Push a node's children: its occurrences grouped by the token that follows."""
-    groups: dict[int, list[tuple[Sequence[int], int]]] = {}
-    for seq, pos in at:
+    """Push a node's children: its occurrences grouped by the token that follows, each
+    group counting its occurrences' weights."""
+    groups: dict[int, list[Occurrence]] = {}
+    counts: dict[int, float] = {}
+    for seq, pos, w in at:
         if pos < len(seq):
             t = seq[pos]
         elif seq is own and pos - len(seq) < len(path):
             t = path[pos - len(seq)]
         else:
             continue
-        groups.setdefault(t, []).append((seq, pos + 1))
-    total = sum(len(g) for g in groups.values()) + smoothing  # occurrences that go on
-    ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))[:topk]
+        groups.setdefault(t, []).append((seq, pos + 1, w))
+        counts[t] = counts.get(t, 0.0) + w
+    total = sum(counts.values()) + smoothing  # occurrences that go on
+    ranked = sorted(groups.items(), key=lambda kv: -counts[kv[0]])[:topk]
     for token, nxt in ranked:
-        p = prob * len(nxt) / total
+        p = prob * counts[token] / total if total else 0.0
         if p >= min_prob:
             heapq.heappush(heap, (-p, next(order), node, d, nxt, [*path, token]))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tlt_serve.engine.request import Request
-from tlt_serve.speculative.suffix import Draft, SuffixConfig, SuffixStore, draft_tree
+from tlt_serve.speculative.suffix import Draft, Match, SuffixConfig, SuffixStore, draft_tree
 from tlt_serve.speculative.tree import DraftTree
 
 
@@ -108,8 +108,24 @@ class SuffixDrafts:
     def move_row(self, src: int, dst: int, length: int) -> None:
         pass
 
+    def weights_changed(self) -> None:
+        """Everything indexed so far was written by the old weights: its occurrences count
+        ``stale_weight`` times what they did (live samples' tokens so far included)."""
+        for h in self.histories.values():
+            h.store.discount(self.config.stale_weight)
+        self.corpus.discount(self.config.stale_weight)
+
     # ---- drafting -------------------------------------------------------------------------
     def draft(self, req: Request, depth: int, budget: int, topk: int) -> Draft:
+        cfg = self.config
+        match, context = self.lookup(req)
+        depth = min(depth, math.ceil(cfg.spec_factor * match.length))
+        return draft_tree(match, depth, budget, topk, cfg.min_prob, own=context,
+                          smoothing=cfg.smoothing)
+
+    def lookup(self, req: Request) -> tuple[Match, Sequence[int]]:
+        """The longest match of the request's sequence (its prompt's history first, the
+        corpus where that matches longer) and the sequence itself."""
         live = self._live.get(req.rid) or self._start(req)
         self._sync(req, live)
         cfg = self.config
@@ -119,9 +135,7 @@ class SuffixDrafts:
             wider = self.corpus.match(context, cfg.max_match, cfg.max_candidates)
             if wider.length > match.length:
                 match = wider
-        depth = min(depth, math.ceil(cfg.spec_factor * match.length))
-        return draft_tree(match, depth, budget, topk, cfg.min_prob, own=context,
-                          smoothing=cfg.smoothing)
+        return match, context
 
     def _start(self, req: Request) -> _Live:
         key = array("i", req.prompt_ids).tobytes()
