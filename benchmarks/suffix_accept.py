@@ -17,6 +17,9 @@ The ceiling: every verify accepts as much as the best of the occurrences the loo
 would have given (a perfect choice among them, chains 8 deep): what better counting or
 scoring can reach without indexing more.
 
+Sources: the occurrences the lookups found, by who wrote them, and how often what followed
+them was the sampled token.
+
 Calibration: for every drafted chain node (depth 8, no cut) its estimated acceptance against
 whether it was accepted, with and without count smoothing.
 
@@ -115,12 +118,15 @@ def _best_occurrence(match: Match, own: Sequence[int], truth: list[int], depth: 
 
 
 def replay(epochs: list[list[dict[str, Any]]], config: SuffixConfig, depth: int, budget: int,
-           topk: int, tail: int, calibration: list | None = None, ceiling: bool = False
-           ) -> list[dict[str, Any]]:
+           topk: int, tail: int, calibration: list | None = None, ceiling: bool = False,
+           sources: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
     """Accept length per epoch in the small-batch phase (module docstring). ``ceiling``: each
     verify accepts what the best of the occurrences the lookup found would have (the most
-    a choice among them can get, chains ``depth`` deep)."""
+    a choice among them can get, chains ``depth`` deep). ``sources``: per writer of the
+    occurrences found (the sample itself, this epoch, k epochs before, the prompt or other
+    prompts), [occurrences, those followed by the sampled token]."""
     drafts = SuffixDrafts(config)
+    written: dict[int, int] = {}  # id of a sample's indexed sequence -> its epoch
     rows = []
     for e, samples in enumerate(epochs):
         if e:
@@ -135,6 +141,7 @@ def replay(epochs: list[list[dict[str, Any]]], config: SuffixConfig, depth: int,
         running = []
         for r, ids in reqs:
             r.output_ids = ids[:start]
+            written[id(drafts.lookup(r)[1])] = e
             if len(r.output_ids) >= len(ids):
                 drafts.release(r)
             else:
@@ -144,6 +151,8 @@ def replay(epochs: list[list[dict[str, Any]]], config: SuffixConfig, depth: int,
             nxt = []
             for r, ids in running:
                 truth = ids[len(r.output_ids):]
+                if sources is not None:
+                    _count_sources(sources, drafts.lookup(r), truth[0], written, e)
                 if ceiling:
                     match, own = drafts.lookup(r)
                     best, n = _best_occurrence(match, own, truth, depth), depth
@@ -163,6 +172,19 @@ def replay(epochs: list[list[dict[str, Any]]], config: SuffixConfig, depth: int,
                      "accept_length": round(accepted / verifies, 3) if verifies else None,
                      "drafted_per_verify": round(drafted / verifies, 2) if verifies else None})
     return rows
+
+
+def _count_sources(sources: dict[str, list[int]], lookup: tuple[Match, Sequence[int]],
+                   truth: int, written: dict[int, int], epoch: int) -> None:
+    match, own = lookup
+    for seq, pos, _ in match.at:
+        if pos >= len(seq):
+            continue
+        e = written.get(id(seq))
+        label = ("itself" if seq is own else "prompt or other prompts" if e is None
+                 else "this epoch" if e == epoch else f"{epoch - e} epoch(s) before")
+        n = sources.setdefault(label, [0, 0])
+        n[0], n[1] = n[0] + 1, n[1] + (seq[pos] == truth)
 
 
 def calibrate(epochs: list, smoothing: float, tail: int) -> list[dict[str, Any]]:
@@ -217,6 +239,11 @@ def main(argv: list[str] | None = None) -> None:
     for label, cfg, depth, budget, topk in tqdm(SETTINGS, desc="settings"):
         accept[label] = replay(epochs, cfg, depth, budget, topk, a.tail)
     accept[CEILING] = replay(epochs, SuffixConfig(), 8, 8, 1, a.tail, ceiling=True)
+    counts: dict[str, list[int]] = {}
+    replay(epochs, SuffixConfig(), 8, 8, 1, a.tail, sources=counts)
+    sources = {k: {"occurrences": n, "next_token_right": round(k_ / n, 3)}
+               for k, (n, k_) in sorted(counts.items())}
+    print("occurrences found, by writer:", sources)
     for label, rows in accept.items():
         print(f"{label}: " + ", ".join(
             f"e{r['epoch']} {r['accept_length']} ({r['drafted_per_verify']} drafted)"
@@ -224,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     for label, table in calibration.items():
         print(label, [(r["estimated"][0], r["nodes"], r["accepted"]) for r in table])
     args = {k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, type(None)))}
-    report.write({"benchmark": "suffix_accept", "args": args, "calibration": calibration,
+    report.write({"benchmark": "suffix_accept", "args": args, "sources": sources,
+                  "calibration": calibration,
                   "accept": accept}, a.out, plot)
 
 
