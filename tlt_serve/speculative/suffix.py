@@ -8,9 +8,10 @@ deepest node of a suffix tree over the sequences, found without building one. Wh
 those occurrences is that node's subtree, counted on the fly: ``draft_tree`` expands it
 best-first, a child's estimated acceptance being its parent's times the share of the
 parent's occurrences it continues with (SuffixDecoding's count ratios, with ``smoothing`` added
-to the parent's count: one lone occurrence promises 0.67, not 1), and stops where the estimate
-falls below ``min_prob`` or the node budget is spent. A chain is the budget-``depth``, one-child
-case. Smoothed, the estimates are calibrated on RL rollouts of the default model: drafted
+to the parent's count: one lone occurrence promises 0.67, not 1; an occurrence counts its
+sequence's weight, which ``discount`` lowers once its writer changed), and stops where the
+estimate falls below ``min_prob`` or the node budget is spent. A chain is the
+budget-``depth``, one-child case. Smoothed, the estimates are calibrated on RL rollouts of the default model: drafted
 nodes estimated at 0.1-0.2 / 0.5-0.6 / 0.9-1.0 were accepted 13% / 40% / 92% of the time
 (unsmoothed, nodes estimated above 0.9 were accepted 29% of the time), so ``min_prob`` is a
 price per verified row.
@@ -20,7 +21,7 @@ token: one dict write; a lookup is O(max_candidates * max_match) to find the lon
 O(candidates * depth) to count the continuations, independent of how much is indexed.
 Memory per indexed token: 4 bytes of token, plus, for a position whose key was seen before,
 8 bytes in that key's occurrence array, and for a new key one dict entry (an int key and an int
-value, ~100 bytes). Rollouts of one prompt repeat most keys.
+value, ~100 bytes), and per sequence one weight. Rollouts of one prompt repeat most keys.
 
 A sequence is removed exactly (its occurrences leave every key's array), so memory is bounded
 by the tokens the caller keeps.
