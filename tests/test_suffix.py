@@ -189,3 +189,19 @@ def test_a_sample_that_never_drafted_still_becomes_history() -> None:
     assert drafts.propose([tail], [3]) == [[12, 13, 14]]
     drafts.release(tail)
     assert not drafts._live and drafts.histories[bytes(array("i", prompt))].live == 0
+
+
+def test_a_row_is_priced_per_request_of_the_step() -> None:
+    """A chain from one earlier occurrence: estimates 2/3, 4/9, 8/27, ... (smoothing 0.5). At
+    batch 1 it is cut below 0.1, at batch 4 below 0.4; propose_scored leaves the cut to its
+    caller (min_prob whatever the batch)."""
+    drafts = SuffixDrafts(SuffixConfig(key_len=2, max_match=8, min_prob=0.1))
+    prompt = [1, 2, 3, 4]
+    drafts.release(_req("old", prompt, list(range(10, 30))))
+    one = [_req("a", prompt, [10, 11])]
+    four = [_req(f"b{i}", prompt, [10, 11]) for i in range(4)]
+    assert drafts.propose(one, [8]) == [list(range(12, 17))]  # (2/3)^5 = 0.13, ^6 < 0.1
+    assert drafts.propose(four, [8] * 4) == [[12, 13]] * 4  # (2/3)^2 = 0.44, ^3 < 0.4
+    assert [d.tokens for d in drafts.propose_scored(four, [8] * 4)] == [list(range(12, 17))] * 4
+    trees = drafts.propose_tree(four, 8, 2, [8] * 4)
+    assert [t.tokens for t in trees] == [(12, 13)] * 4

@@ -91,7 +91,10 @@ class SpecConfig:
     # it has one, drafter chains elsewhere) at auto_depths. The suffix index's estimates are
     # calibrated (speculative/suffix.py), so a cut is a price per verified row: a row costs
     # more, relative to what a step yields, at a larger batch; each bucket learns which cut
-    # pays. Every suffix draft also stops below suffix_min_prob.
+    # pays. A suffix draft stops below suffix_min_prob x the batch size under a fixed
+    # --speculative suffix (a verified row costs ~1 ms in the own kernels at any batch size,
+    # benchmarks/kernel_rows.py, while a plain step grows far slower than the batch), and
+    # below suffix_min_prob under auto (whose arms' cuts are the price).
     suffix_chains: tuple[tuple[int, float], ...] = ((8, 0.1), (8, 0.3), (8, 0.6))
     suffix_trees: tuple[tuple[int, int, int], ...] = ()
     suffix_min_prob: float = 0.1

@@ -91,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     serve.add_argument("--suffix-min-prob", type=float, metavar="P",
                        default=SpecConfig.suffix_min_prob,
                        help="a suffix draft stops where its estimated acceptance (share of "
-                       "earlier occurrences that continued this way) falls below P")
+                       "earlier occurrences that continued this way) falls below P per "
+                       "request of the step (P x batch size)")
     serve.add_argument("--capture", action="store_true",
                        help="keep drafter training samples (target features + tokens of "
                        "finished sequences) in a bounded buffer (GET /drafter/samples)")

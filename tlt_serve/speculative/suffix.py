@@ -11,10 +11,10 @@ parent's occurrences it continues with (SuffixDecoding's count ratios, with ``sm
 to the parent's count: one lone occurrence promises 0.67, not 1; an occurrence counts its
 sequence's weight, which ``discount`` lowers once its writer changed), and stops where the
 estimate falls below ``min_prob`` or the node budget is spent. A chain is the
-budget-``depth``, one-child case. Smoothed, the estimates are calibrated on RL rollouts of the default model: drafted
-nodes estimated at 0.1-0.2 / 0.5-0.6 / 0.9-1.0 were accepted 13% / 40% / 92% of the time
-(unsmoothed, nodes estimated above 0.9 were accepted 29% of the time), so ``min_prob`` is a
-price per verified row.
+budget-``depth``, one-child case. Smoothed, the estimates are calibrated on RL rollouts of
+the default model: drafted nodes estimated at 0.1-0.2 / 0.5-0.6 / 0.9-1.0 were accepted 13% /
+38% / 92% of the time (unsmoothed, nodes estimated above 0.9 were accepted 29% of the time),
+so ``min_prob`` is a price per verified row.
 
 Cost (CPython, measured by ``benchmarks/suffix_index.py``): ``extend`` is O(key_len) per
 token: one dict write; a lookup is O(max_candidates * max_match) to find the longest match plus
@@ -47,7 +47,7 @@ class SuffixConfig:
     key_len: int = 2  # tokens a match needs at least (and the index key)
     max_match: int = 32  # a match is measured backwards up to this many tokens
     max_candidates: int = 128  # most recent occurrences of the key a lookup reads
-    min_prob: float = 0.1  # a draft node's estimated acceptance must reach this
+    min_prob: float = 0.1  # a draft node's estimated acceptance must reach this (per request)
     smoothing: float = 0.5  # added to a node's occurrence count (one occurrence: 1 / 1.5)
     spec_factor: float = 4.0  # a draft is at most spec_factor * match length tokens deep
     max_store_tokens: int = 1 << 16  # one prompt's history (live sequences always kept)

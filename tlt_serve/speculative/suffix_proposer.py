@@ -67,20 +67,29 @@ class SuffixDrafts:
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
         """A chain per request: the most frequent continuation, as deep as its estimated
-        acceptance stays above ``min_prob`` (at most ``ks[b]``)."""
-        return [d.tokens for d in self.propose_scored(reqs, ks)]
+        acceptance stays above the price of a row at this batch size (at most ``ks[b]``)."""
+        price = self.price(len(reqs))
+        return [self.draft(r, k, k, 1, price).tokens for r, k in zip(reqs, ks, strict=True)]
 
     def propose_scored(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
-        """``propose``'s chains with each draft's estimated acceptance (falling along it)."""
+        """Chains down to ``min_prob`` whatever the batch size, with each draft's estimated
+        acceptance (falling along it): the caller cuts them at its own price."""
         return [self.draft(r, k, k, 1) for r, k in zip(reqs, ks, strict=True)]
+
+    def price(self, batch_size: int) -> float:
+        """The estimated acceptance a verified row must reach in a step of ``batch_size``
+        requests: ``min_prob`` per request. A row costs about the same at any batch size
+        (the verify forward is compute-bound past a few rows), while what a plain step
+        yields grows with the batch."""
+        return min(1.0, self.config.min_prob * batch_size)
 
     def propose_tree(
         self, reqs: Sequence[Request], depth: int, topk: int, budgets: Sequence[int]
     ) -> list[DraftTree]:
         """A tree per request over its most probable continuations (``budgets[b]`` nodes)."""
-        trees = []
+        trees, price = [], self.price(len(reqs))
         for r, budget in zip(reqs, budgets, strict=True):
-            d = self.draft(r, min(depth, budget), budget, topk)
+            d = self.draft(r, min(depth, budget), budget, topk, price)
             trees.append(DraftTree(tuple(d.tokens), tuple(d.parents)))
         return trees
 
@@ -116,11 +125,14 @@ class SuffixDrafts:
         self.corpus.discount(self.config.stale_weight)
 
     # ---- drafting -------------------------------------------------------------------------
-    def draft(self, req: Request, depth: int, budget: int, topk: int) -> Draft:
+    def draft(self, req: Request, depth: int, budget: int, topk: int,
+              min_prob: float | None = None) -> Draft:
+        """The request's draft tree (``min_prob``: the config's unless given)."""
         cfg = self.config
         match, context = self.lookup(req)
         depth = min(depth, math.ceil(cfg.spec_factor * match.length))
-        return draft_tree(match, depth, budget, topk, cfg.min_prob, own=context,
+        cut = cfg.min_prob if min_prob is None else min_prob
+        return draft_tree(match, depth, budget, topk, cut, own=context,
                           smoothing=cfg.smoothing)
 
     def lookup(self, req: Request) -> tuple[Match, Sequence[int]]:
