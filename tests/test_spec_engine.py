@@ -105,14 +105,46 @@ def test_greedy_output_and_logprobs_equal_plain_decoding(tiny_model_dir, drafter
     assert stats.generated_tokens == 2 * sum(p.max_new_tokens for p in params)
 
 
-def test_bf16_greedy_with_the_own_kernels_is_bitwise_plain_decoding(
+def seeded_params() -> list[SamplingParams]:
+    """Sampled with a seed per request (filters varied), lengths varied."""
+    filters = [{}, {"top_k": 5}, {"top_p": 0.8}, {"min_p": 0.1}, {"top_k": 20, "top_p": 0.9}]
+    return [
+        SamplingParams(max_new_tokens=n, temperature=t, seed=100 + i, ignore_eos=True,
+                       logprobs=True, **f)
+        for i, (n, t, f) in enumerate(zip((40, 7, 64, 23, 50), (0.3, 0.5, 0.3, 1.0, 0.3),
+                                          filters, strict=True))
+    ]
+
+
+@pytest.mark.parametrize(
+    "name", ["ngram", "suffix", "suffix-tree", "drafter-plain", "drafter-sliced", "tree", "auto"]
+)
+def test_seeded_sampling_equals_plain_decoding(tiny_model_dir, drafters, name) -> None:
+    """Drafts are sampled through (speculative/verify.py): each emitted token is the draw
+    plain decoding makes there with the request's next uniform, so a seeded request samples
+    the same tokens with speculation on as off, batched or alone."""
+    params = seeded_params()
+    plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
+    llm = make_llm(tiny_model_dir, spec_configs(drafters, max_batch=8)[name])
+    batched = llm.generate(PROMPTS, params)
+    alone = [llm.generate([p], [sp])[0] for p, sp in zip(PROMPTS, params, strict=True)]
+    for ref, got_b, got_1 in zip(plain, batched, alone, strict=True):
+        r, b, one = ref.samples[0], got_b.samples[0], got_1.samples[0]
+        assert b.token_ids == r.token_ids == one.token_ids
+        torch.testing.assert_close(b.logprobs, r.logprobs, atol=1e-4, rtol=0)
+    stats = llm.engine.stats
+    assert stats.spec.steps > 0 and 0 < stats.spec.accepted <= stats.spec.drafted
+
+
+def test_bf16_with_the_own_kernels_is_bitwise_plain_decoding(
     tiny_model_dir, drafters
 ) -> None:
     """In bf16 a token scored in a verify step (several tokens per row) gets exactly what a
     decode step (one per row) gives it: every per-token op is row-wise, and the own attention
     and the own AVX512-BF16 product compute a row the same way in any batch. So speculation
-    is exact in bf16 too, tokens and logprobs, while the verify rows fit the own product —
-    for trees too (a node sees its prefix and ancestors, what its token sees when decoded).
+    is exact in bf16 too, tokens and logprobs, greedy and seeded sampling, while the verify
+    rows fit the own product — for trees too (a node sees its prefix and ancestors, what its
+    token sees when decoded).
     (The AVX2 product sums 1, 2-4 and 5-8 rows in different orders: no such guarantee.)"""
     from tlt_serve.kernels import cpu_kernels, own_avx512_bf16
 
@@ -121,20 +153,20 @@ def test_bf16_greedy_with_the_own_kernels_is_bitwise_plain_decoding(
         pytest.skip("needs the own kernels with the AVX512-BF16 product (row-invariant)")
     if kernels.matvec_rows < 5 * 5:
         pytest.skip("verify rows (5 requests x 5 tokens) exceed the own product's limit here")
-    params = varied_params()
-    plain = make_llm(tiny_model_dir, dtype="bfloat16").generate(PROMPTS, params)
     configs = spec_configs(drafters, max_batch=8)
     # A tree of 4 nodes + root per request: 25 verify rows, within the product's 32.
     configs["tree"] = replace(configs["tree"], tree_topk=2, verify_budget=4)
-    for name in ("ngram", "suffix", "drafter-plain", "tree"):
-        llm = make_llm(tiny_model_dir, configs[name], dtype="bfloat16")
-        got = llm.generate(PROMPTS, params)
-        stats = llm.engine.stats
-        assert stats.spec.accepted > 0, name
-        for ref, out in zip(plain, got, strict=True):
-            r, o = ref.samples[0], out.samples[0]
-            assert o.token_ids == r.token_ids, name
-            assert torch.equal(torch.tensor(o.logprobs), torch.tensor(r.logprobs)), name
+    for params in (varied_params(), seeded_params()):  # seeded sampling too: drawn through
+        plain = make_llm(tiny_model_dir, dtype="bfloat16").generate(PROMPTS, params)
+        for name in ("ngram", "suffix", "drafter-plain", "tree"):
+            llm = make_llm(tiny_model_dir, configs[name], dtype="bfloat16")
+            got = llm.generate(PROMPTS, params)
+            stats = llm.engine.stats
+            assert stats.spec.accepted > 0, name
+            for ref, out in zip(plain, got, strict=True):
+                r, o = ref.samples[0], out.samples[0]
+                assert o.token_ids == r.token_ids, name
+                assert torch.equal(torch.tensor(o.logprobs), torch.tensor(r.logprobs)), name
 
 
 def test_switching_on_and_off_mid_generation_stays_exact(tiny_model_dir, drafters) -> None:

@@ -37,7 +37,7 @@ def tree_logits(tree: DraftTree) -> torch.Tensor:
 
 
 def _biased_walk(tree, probs, gen):  # type: ignore[no-untyped-def]
-    """The bug to catch: test every child against the SAME p (no residual update)."""
+    """A bug to catch: every child tried against the SAME p (no residual), then a draw."""
     kids = tree.children()
     node, path, emitted = 0, [0], []
     while True:
@@ -78,14 +78,14 @@ def sample_two(params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_recursive_rejection_is_lossless(setting: str) -> None:
+def test_sampled_tree_walk_is_lossless(setting: str) -> None:
     params = SETTINGS[setting]
     counts = sample_two(params, 20000)
     stat, df = chi_square(counts, expected_joint(params))
     assert stat < critical(df), (setting, stat, df)
 
 
-def test_a_verifier_without_the_residual_update_is_caught(monkeypatch) -> None:
+def test_a_biased_tree_walk_is_caught(monkeypatch) -> None:
     monkeypatch.setattr(tree_mod, "_walk_sampled", _biased_walk)
     params = SETTINGS["T1"]
     stat, df = chi_square(sample_two(params, 20000), expected_joint(params))

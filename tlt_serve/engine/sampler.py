@@ -37,9 +37,7 @@ class Sampler:
             tokens = logits.argmax(dim=-1)  # [N]
         else:
             filtered = apply_filters(scaled, params)  # [N, V], -inf outside the nucleus
-            cdf = torch.softmax(filtered, dim=-1).double().cumsum(dim=-1)  # [N, V]
-            u = self._uniforms(reqs).unsqueeze(1) * cdf[:, -1:]  # [N, 1]
-            tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+            tokens = inverse_cdf(torch.softmax(filtered, dim=-1), self._uniforms(reqs))  # [N]
             if any(greedy):
                 tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [N]
@@ -52,6 +50,15 @@ class Sampler:
             if r.generator is not None:
                 u[i] = torch.rand(1, generator=r.generator, dtype=torch.float64)
         return u
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row: probs [N, V] (unnormalised is fine), u [N] fp64 in [0, 1) → [N], the
+    first index whose cumulative probability (fp64) exceeds u times the row's total. The one
+    draw every sampled token goes through, decoding or verifying drafts."""
+    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    x = u.unsqueeze(1) * cdf[:, -1:]  # [N, 1]
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
 
 
 # Top-k / top-p look at a row's best tokens only: a partial top-k of this many candidates is

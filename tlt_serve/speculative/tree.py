@@ -9,25 +9,25 @@ The target scores all N + 1 nodes in one forward: node i sits at position ``star
 and attends to the cached prefix plus its own ancestors (``ancestor_mask``). Its KV lands in
 column ``start + i``; after acceptance the accepted path's columns are moved to be contiguous.
 
-Acceptance walks down from the root. Greedy: follow the child whose token is the target's
-argmax; the first argmax without such a child is the correction (or the bonus at a leaf).
-Sampled (deterministic drafts, q one-hot): at a node with target distribution p (after
-temperature / top-k / top-p / min-p), try its children in order: accept child c with
-probability p(c); on rejection set p <- normalise(p with c removed) and try the next; if all
-are rejected, sample the emitted token from the final p. Each stage is a speculative-sampling
-step against the current residual, so by induction the emitted token is distributed exactly as
-p (recursive rejection sampling, SpecInfer / EAGLE). A chain is the one-child case, where this
-is the chain verifier's rule.
+Acceptance walks down from the root: at each node the target's token is chosen as plain
+decoding would choose it there (greedy: the argmax; sampled: a draw from the node's
+distribution after temperature / top-k / top-p / min-p, by the sampler's ``inverse_cdf`` with
+the row's next uniform), emitted, and the walk follows the child that drafted that token; the
+first token no child drafted is the correction (or the bonus at a leaf). Every emitted token
+is the target's own draw, so the output is plain decoding's given the same uniforms (drafts
+are deterministic: tokens, not distributions). A child is followed with probability p(its
+token), as with recursive rejection sampling (SpecInfer / EAGLE) against one-hot drafts. A
+chain is the one-child case, where this is the chain verifier's rule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tlt_serve.engine.sampler import apply_filters, top_logprobs_of
+from tlt_serve.engine.sampler import apply_filters, inverse_cdf, top_logprobs_of
 from tlt_serve.sampling_params import SamplingParams
 from tlt_serve.speculative.verify import VerifyResult
 
@@ -103,7 +103,7 @@ def verify_tree(
     if sampled:  # every sampled row's filtered distribution, in one batched call
         per_pos = [params[b] for b in sampled for _ in range(Q)]
         filtered = apply_filters(scaled[sampled].reshape(len(sampled) * Q, V), per_pos)
-        probs = torch.softmax(filtered, dim=-1).view(len(sampled), Q, V).double()
+        probs = torch.softmax(filtered, dim=-1).view(len(sampled), Q, V)
     row_of = {b: i for i, b in enumerate(sampled)}
     paths, tokens = [], []
     for b, tree in enumerate(trees):
@@ -131,48 +131,31 @@ def verify_tree(
 
 
 def _walk_greedy(tree: DraftTree, argmax: list[int]) -> tuple[list[int], list[int]]:
+    return _walk(tree, lambda node: argmax[node])
+
+
+def _walk_sampled(
+    tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | None
+) -> tuple[list[int], list[int]]:
+    """probs [Q, V]: filtered target distribution at each node; one draw per emitted token."""
+
+    def draw(node: int) -> int:
+        u = torch.rand(1, generator=gen, dtype=torch.float64)
+        return int(inverse_cdf(probs[node : node + 1], u))
+
+    return _walk(tree, draw)
+
+
+def _walk(tree: DraftTree, choose: Callable[[int], int]) -> tuple[list[int], list[int]]:
+    """From the root: emit the target's token at the node (``choose``), follow the child that
+    drafted it, stop where none did. Returns the path (node indices) and the emitted tokens."""
     kids = tree.children()
     node, path, emitted = 0, [0], []
     while True:
-        want = argmax[node]
+        want = choose(node)
         emitted.append(want)
         nxt = next((c for c in kids[node] if tree.tokens[c - 1] == want), None)
         if nxt is None:
             return path, emitted
         node = nxt
         path.append(node)
-
-
-def _walk_sampled(
-    tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | None
-) -> tuple[list[int], list[int]]:
-    """probs [Q, V] fp64: filtered target distribution at each node."""
-    kids = tree.children()
-    node, path, emitted = 0, [0], []
-    while True:
-        p = probs[node]  # [V]
-        accepted = None
-        for child in kids[node]:
-            token = tree.tokens[child - 1]
-            u = float(torch.rand(1, generator=gen, dtype=torch.float64))
-            mass = float(p.sum())
-            if u * mass < float(p[token]):  # accept with probability p(token) / mass
-                accepted = child
-                break
-            p = p.clone()
-            p[token] = 0.0  # residual: p without the rejected token (renormalised below)
-        if accepted is None:
-            # Rejecting c means u * mass >= p(c), so mass outside the children remains (> 0)
-            # unless rounding ate it: then p itself is the honest fallback.
-            emitted.append(_inverse_cdf(p if float(p.sum()) > 0 else probs[node], gen))
-            return path, emitted
-        emitted.append(tree.tokens[accepted - 1])
-        node = accepted
-        path.append(node)
-
-
-def _inverse_cdf(weights: torch.Tensor, gen: torch.Generator | None) -> int:
-    cdf = weights.cumsum(0)  # [V] fp64
-    u = float(torch.rand(1, generator=gen, dtype=torch.float64)) * float(cdf[-1])
-    index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True))
-    return min(index, len(cdf) - 1)

@@ -7,20 +7,30 @@ after d_0..d_{j-1} (position 0: after the last committed token). Rows are indepe
 Greedy rows (temperature 0): accept the longest prefix with d_j == argmax(logits_j), then emit
 argmax at the first mismatch (or at position n, the bonus). Output == plain greedy decoding.
 
-Sampled rows: speculative (rejection) sampling, Leviathan et al. 2023 / Chen et al. 2023. With
-p_j the target distribution AFTER the row's temperature and top-k / top-p / min-p filters (the
-engine sampler's own ``apply_filters``) and q_j the distribution d_j was drawn from:
+Sampled rows, with p_j the target distribution AFTER the row's temperature and top-k / top-p /
+min-p filters (the engine sampler's own ``apply_filters``):
+
+Deterministic drafts (every proposer the engine has: n-gram, suffix, the drafter's argmax
+chains; ``draft_probs`` None) are sampled THROUGH: at j = 0, 1, ... draw y_j from p_j exactly
+as the sampler draws a token (the next uniform of the row's stream, ``inverse_cdf``); go on
+while y_j == d_j, emit y_j where it differs (or at j = n, the bonus) and stop. Every emitted
+token is the target's own draw, so the output is the plain sampler's, token for token, given
+the same uniforms: a seeded request samples the same tokens with speculation on or off (up to
+the logits' rounding). Acceptance is as high as rejection sampling's with q = one-hot:
+P(y_j == d_j) = p_j(d_j), and a mismatched y_j is a draw from p_j without d_j.
+
+Drafts drawn from a distribution q_j (``draft_probs``): speculative (rejection) sampling,
+Leviathan et al. 2023 / Chen et al. 2023:
   accept d_j with probability min(1, p_j(d_j) / q_j(d_j));
   at the first rejection emit a token from norm(max(0, p_j - q_j)) and stop;
   if all n are accepted emit the bonus token from p_n.
 Why lossless: P(emit x at j) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) *
 max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y)) = min(p, q)(x) + max(0, p - q)(x) = p(x), since
-both normalisers equal the total-variation distance. Deterministic drafts (n-gram) are q = one-hot:
-accept with probability p(d); on rejection sample from p with d removed.
+both normalisers equal the total-variation distance.
 
-Randomness: one U[0,1) per real draft (acceptance coin) plus one for the emitted correction or
-bonus token, drawn by inverse CDF exactly like the sampler. A row with its own generator draws
-its n + 1 uniforms from it, so its tokens do not depend on the batch (not even on the batch's K);
+Randomness: sampled through, one U[0,1) per emitted token, drawn when needed; with q, one per
+real draft (acceptance coin) plus one for the correction or bonus token. A row with its own
+generator draws from it, so its tokens do not depend on the batch (not even on the batch's K);
 other sampled rows share one generator. Greedy rows draw nothing.
 
 Reported logprobs follow the sampler: log_softmax(logits / T) at the token's position (raw
@@ -34,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt_serve.engine.sampler import apply_filters, top_logprobs_of
+from tlt_serve.engine.sampler import apply_filters, inverse_cdf, top_logprobs_of
 from tlt_serve.sampling_params import SamplingParams
 
 
@@ -108,24 +118,18 @@ def verify_chain(
     d = torch.where(valid, drafts.draft_tokens, 0)  # [B, K] padding -> a safe index
     argmax = logits.argmax(dim=-1)  # [B, K+1]
 
-    ok = d == argmax[:, :K]  # [B, K] the greedy rule; sampled rows are overwritten below
-    sampled = ~greedy
-    p: torch.Tensor | None = None
-    u: torch.Tensor | None = None
-    if bool(sampled.any()):
-        p = _filtered_probs(scaled, per_pos)  # [B, K+1, V]
-        u = _uniforms(drafts.num_drafts, sampled, generators, shared, K)  # [B, K+1] fp64
-        # fp64 only on gathered values: a [B, K+1, V] fp64 copy would be ~100 MB at V=49k.
-        p_d = p[:, :K].gather(2, d.unsqueeze(2)).squeeze(2).double()  # [B, K]
-        q = drafts.draft_probs
-        q_d = torch.ones_like(p_d) if q is None else q.gather(2, d.unsqueeze(2)).squeeze(2).double()
-        # u < p/q written as u*q < p: no division, and p(d) = 0 (filtered out) never passes.
-        ok = torch.where(sampled.unsqueeze(1), u[:, :K] * q_d < p_d, ok)
-    ok &= valid
+    ok = (d == argmax[:, :K]) & valid  # [B, K] the greedy rule
     num_acc = ok.long().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
     final = argmax.gather(1, num_acc.unsqueeze(1)).squeeze(1)  # [B] greedy correction / bonus
-    if p is not None and u is not None:
-        final = torch.where(sampled, _correction(drafts, d, p, num_acc, u[:, K]), final)
+    sampled = ~greedy
+    if bool(sampled.any()):
+        p = _filtered_probs(scaled, per_pos)  # [B, K+1, V]
+        if drafts.draft_probs is None:
+            s_acc, s_final = _sample_through(p, d, drafts.num_drafts, sampled, generators, shared)
+        else:
+            s_acc, s_final = _reject(drafts, d, p, valid, sampled, generators, shared)
+        num_acc = torch.where(sampled, s_acc, num_acc)
+        final = torch.where(sampled, s_final, final)
 
     emitted = torch.cat([d, final.new_zeros(B, 1)], dim=1)  # [B, K+1]
     emitted.scatter_(1, num_acc.unsqueeze(1), final.unsqueeze(1))
@@ -149,6 +153,57 @@ def _filtered_probs(scaled: torch.Tensor, per_pos: Sequence[SamplingParams]) -> 
     B, K1, V = scaled.shape
     filtered = apply_filters(scaled.reshape(B * K1, V), per_pos)  # [B*(K+1), V]
     return torch.softmax(filtered, dim=-1).view(B, K1, V)
+
+
+def _sample_through(
+    p: torch.Tensor,
+    d: torch.Tensor,
+    num_drafts: torch.Tensor,
+    sampled: torch.Tensor,
+    generators: Sequence[torch.Generator | None] | None,
+    shared: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic drafts: each sampled row draws its tokens from p [B, K+1, V] position by
+    position as the sampler would, while they equal its drafts d [B, K]. Returns accepted
+    drafts [B] and the emitted token after them [B] (zeros on greedy rows)."""
+    B = p.shape[0]
+    acc, final = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
+    rows, ns = d.tolist(), num_drafts.tolist()
+    for b in range(B):
+        if not bool(sampled[b]):
+            continue
+        gen = generators[b] if generators is not None and generators[b] is not None else shared
+        for j in range(ns[b] + 1):
+            u = torch.rand(1, generator=gen, dtype=torch.float64)
+            y = int(inverse_cdf(p[b, j : j + 1], u))
+            if j == ns[b] or y != rows[b][j]:
+                acc[b], final[b] = j, y
+                break
+    return acc, final
+
+
+def _reject(
+    drafts: ChainDrafts,
+    d: torch.Tensor,
+    p: torch.Tensor,
+    valid: torch.Tensor,
+    sampled: torch.Tensor,
+    generators: Sequence[torch.Generator | None] | None,
+    shared: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts drawn from q: rejection sampling. Returns accepted drafts [B] and the
+    correction / bonus token [B] (meaningful on sampled rows)."""
+    K = d.shape[1]
+    u = _uniforms(drafts.num_drafts, sampled, generators, shared, K)  # [B, K+1] fp64
+    # fp64 only on gathered values: a [B, K+1, V] fp64 copy would be ~100 MB at V=49k.
+    p_d = p[:, :K].gather(2, d.unsqueeze(2)).squeeze(2).double()  # [B, K]
+    q = drafts.draft_probs
+    assert q is not None
+    q_d = q.gather(2, d.unsqueeze(2)).squeeze(2).double()  # [B, K]
+    # u < p/q written as u*q < p: no division, and p(d) = 0 (filtered out) never passes.
+    ok = (u[:, :K] * q_d < p_d) & valid
+    num_acc = ok.long().cumprod(dim=1).sum(dim=1)  # [B]
+    return num_acc, _correction(drafts, p, num_acc, u[:, K])
 
 
 def _uniforms(
@@ -177,7 +232,7 @@ def _uniforms(
 
 
 def _correction(
-    drafts: ChainDrafts, d: torch.Tensor, p: torch.Tensor, num_acc: torch.Tensor, u: torch.Tensor
+    drafts: ChainDrafts, p: torch.Tensor, num_acc: torch.Tensor, u: torch.Tensor
 ) -> torch.Tensor:
     """The token emitted after the accepted prefix, for sampled rows [B].
 
@@ -187,31 +242,20 @@ def _correction(
     B = p.shape[0]
     p_a = p[torch.arange(B), num_acc].double()  # [B, V] target at the first unaccepted position
     rejected = num_acc < drafts.num_drafts  # [B]
-    residual = (p_a - _draft_dist_at(drafts, d, num_acc, rejected)).clamp_min(0.0)  # [B, V]
+    residual = (p_a - _draft_dist_at(drafts, num_acc, rejected)).clamp_min(0.0)  # [B, V]
     # A rejection implies p(d) < q(d), so the residual has mass TV(p, q) > 0; fall back to p
     # only if rounding left exactly nothing.
     residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, p_a)
-    return _inverse_cdf(residual, u)
+    return inverse_cdf(residual, u)
 
 
-def _draft_dist_at(
-    drafts: ChainDrafts, d: torch.Tensor, pos: torch.Tensor, rejected: torch.Tensor
-) -> torch.Tensor:
+def _draft_dist_at(drafts: ChainDrafts, pos: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """q at each row's rejected position [B, V] fp64; zeros where nothing was rejected."""
     B, K1, V = drafts.target_logits.shape
     if K1 == 1:
         return torch.zeros(B, V, dtype=torch.float64)
     at = pos.clamp(max=K1 - 2)  # [B] bonus rows point anywhere valid; masked below
     q = drafts.draft_probs
-    if q is None:  # deterministic draft: q is one-hot at the drafted token
-        q_a = torch.nn.functional.one_hot(d.gather(1, at.unsqueeze(1)).squeeze(1), V).double()
-    else:
-        q_a = q[torch.arange(B), at].double()  # [B, V]
+    assert q is not None
+    q_a = q[torch.arange(B), at].double()  # [B, V]
     return torch.where(rejected.unsqueeze(1), q_a, 0.0)  # where, not *: padding may be NaN
-
-
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row from unnormalised weights [B, V] with uniforms u [B] (as the sampler)."""
-    cdf = weights.cumsum(dim=1)  # [B, V] fp64
-    x = u.unsqueeze(1) * cdf[:, -1:]  # [B, 1]
-    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
