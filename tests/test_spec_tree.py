@@ -36,24 +36,20 @@ def tree_logits(tree: DraftTree) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _biased_walk(tree, probs, gen):  # type: ignore[no-untyped-def]
-    """A bug to catch: every child tried against the SAME p (no residual), then a draw."""
+def _retrying_walk(tree, choose):  # type: ignore[no-untyped-def]
+    """A bug to catch: a draw that no child drafted gets a second draw (favours drafts)."""
     kids = tree.children()
     node, path, emitted = 0, [0], []
     while True:
-        p = probs[node].double()
-        accepted = None
-        for child in kids[node]:
-            if float(torch.rand(1, generator=gen, dtype=torch.float64)) < float(
-                p[tree.tokens[child - 1]]
-            ):
-                accepted = child
-                break
-        if accepted is None:
-            emitted.append(int(torch.multinomial(p, 1, generator=gen)))
+        want = choose(node)
+        nxt = next((c for c in kids[node] if tree.tokens[c - 1] == want), None)
+        if nxt is None and kids[node]:
+            want = choose(node)
+            nxt = next((c for c in kids[node] if tree.tokens[c - 1] == want), None)
+        emitted.append(want)
+        if nxt is None:
             return path, emitted
-        emitted.append(tree.tokens[accepted - 1])
-        node = accepted
+        node = nxt
         path.append(node)
 
 
@@ -86,7 +82,7 @@ def test_sampled_tree_walk_is_lossless(setting: str) -> None:
 
 
 def test_a_biased_tree_walk_is_caught(monkeypatch) -> None:
-    monkeypatch.setattr(tree_mod, "_walk_sampled", _biased_walk)
+    monkeypatch.setattr(tree_mod, "_walk", _retrying_walk)
     params = SETTINGS["T1"]
     stat, df = chi_square(sample_two(params, 20000), expected_joint(params))
     assert stat > critical(df)

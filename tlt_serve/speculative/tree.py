@@ -27,9 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt_serve.engine.sampler import apply_filters, inverse_cdf, top_logprobs_of
 from tlt_serve.sampling_params import SamplingParams
-from tlt_serve.speculative.verify import VerifyResult
+from tlt_serve.speculative.verify import VerifyResult, drawer, target_logprobs
 
 
 @dataclass(frozen=True)
@@ -91,59 +90,25 @@ def verify_tree(
     logits [B, Q, V] fp32: row b's node i at index i (Q >= size + 1; the rest is padding).
     Returns the VerifyResult (accepted drafts, emitted tokens = path tokens + correction /
     bonus, target logprobs) and each row's accepted path as node indices, root first
-    (``path[b][j]`` is the node whose logits produced emitted token j).
+    (``path[b][j]`` is the node whose logits produced emitted token j). Full-vocabulary work
+    is done only at the nodes the walk reaches.
     """
-    B, Q, V = logits.shape
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])  # [B]
-    scaled = logits / temps.view(B, 1, 1)  # [B, Q, V]
-    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, Q, V]
-    argmax = logits.argmax(dim=-1).tolist()  # [B][Q]
-    sampled = [b for b, p in enumerate(params) if not p.greedy]
-    probs = None
-    if sampled:  # every sampled row's filtered distribution, in one batched call
-        per_pos = [params[b] for b in sampled for _ in range(Q)]
-        filtered = apply_filters(scaled[sampled].reshape(len(sampled) * Q, V), per_pos)
-        probs = torch.softmax(filtered, dim=-1).view(len(sampled), Q, V)
-    row_of = {b: i for i, b in enumerate(sampled)}
+    greedy = [b for b, p in enumerate(params) if p.greedy]
+    argmax = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True)) if greedy \
+        else {}
     paths, tokens = [], []
     for b, tree in enumerate(trees):
-        if b in row_of and probs is not None:
-            gen = generators[b] if generators is not None else None
-            path, emitted = _walk_sampled(tree, probs[row_of[b]], gen or shared)
+        if b in argmax:
+            choose: Callable[[int], int] = argmax[b].__getitem__
         else:
-            path, emitted = _walk_greedy(tree, argmax[b])
+            own = generators[b] if generators is not None else None
+            choose = drawer(logits[b], params[b], own if own is not None else shared)
+        path, emitted = _walk(tree, choose)
         paths.append(path)
         tokens.append(emitted)
-    flat_rows = torch.tensor([b for b, path in enumerate(paths) for _ in path])  # [T]
-    flat_nodes = torch.tensor([n for path in paths for n in path])  # [T]
-    flat_tokens = torch.tensor([t for row in tokens for t in row])  # [T]
-    chosen = logprobs[flat_rows, flat_nodes, flat_tokens].tolist()  # [T]
-    per_tok = [params[b] for b in flat_rows.tolist()]
-    tops = top_logprobs_of(logprobs[flat_rows, flat_nodes], per_tok)  # [T][top] or None
-    lps, top_rows, at = [], [], 0
-    for row in tokens:
-        lps.append(chosen[at : at + len(row)])
-        if tops is not None:
-            top_rows.append(tops[at : at + len(row)])
-        at += len(row)
+    logprobs, tops = target_logprobs(logits, params, paths, tokens)
     counts = [len(path) - 1 for path in paths]
-    return VerifyResult(counts, tokens, lps, top_rows if tops is not None else None), paths
-
-
-def _walk_greedy(tree: DraftTree, argmax: list[int]) -> tuple[list[int], list[int]]:
-    return _walk(tree, lambda node: argmax[node])
-
-
-def _walk_sampled(
-    tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | None
-) -> tuple[list[int], list[int]]:
-    """probs [Q, V]: filtered target distribution at each node; one draw per emitted token."""
-
-    def draw(node: int) -> int:
-        u = torch.rand(1, generator=gen, dtype=torch.float64)
-        return int(inverse_cdf(probs[node : node + 1], u))
-
-    return _walk(tree, draw)
+    return VerifyResult(counts, tokens, logprobs, tops), paths
 
 
 def _walk(tree: DraftTree, choose: Callable[[int], int]) -> tuple[list[int], list[int]]:

@@ -39,7 +39,7 @@ logits, T = 1, when greedy), before top-k / top-p / min-p truncation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -105,47 +105,86 @@ def verify_chain(
 
     ``generators[b]`` (optional) is row b's own generator (a seeded request); rows without one
     draw from ``shared`` (torch's default generator when None). Only generator state advances.
+    Full-vocabulary work is done only at the positions a row reaches (the accepted drafts and
+    the one after): most of a deep chain is rejected.
     """
     logits, params = drafts.target_logits, drafts.params
-    B, K1, V = logits.shape
-    K = K1 - 1
-    greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)  # [B]
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])  # [B]
-    scaled = logits / temps.view(B, 1, 1)  # [B, K+1, V]
-    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, K+1, V]
-    per_pos = [p for p in params for _ in range(K1)]  # [B*(K+1)] settings, row-major
-    valid = torch.arange(K).unsqueeze(0) < drafts.num_drafts.unsqueeze(1)  # [B, K]
-    d = torch.where(valid, drafts.draft_tokens, 0)  # [B, K] padding -> a safe index
-    argmax = logits.argmax(dim=-1)  # [B, K+1]
+    B = logits.shape[0]
+    ns, rows = drafts.num_drafts.tolist(), drafts.draft_tokens.tolist()
+    chains = [row[:n] for row, n in zip(rows, ns, strict=True)]
+    counts, finals = [0] * B, [0] * B
+    greedy = [b for b in range(B) if params[b].greedy]
+    sampled = [b for b in range(B) if not params[b].greedy]
+    if greedy:
+        argmax = logits[greedy].argmax(dim=-1).tolist()  # [G, K+1]
+        for b, best in zip(greedy, argmax, strict=True):
+            counts[b], finals[b] = follow(chains[b], best.__getitem__)
+    if sampled and drafts.draft_probs is None:
+        for b in sampled:
+            own = generators[b] if generators is not None else None
+            gen = own if own is not None else shared
+            counts[b], finals[b] = follow(chains[b], drawer(logits[b], params[b], gen))
+    elif sampled:
+        num_acc, final = _reject(drafts, generators, shared)
+        for b in sampled:
+            counts[b], finals[b] = int(num_acc[b]), int(final[b])
+    tokens = [chain[:n] + [f] for chain, n, f in zip(chains, counts, finals, strict=True)]
+    logprobs, tops = target_logprobs(logits, params, [list(range(len(t))) for t in tokens], tokens)
+    return VerifyResult(counts, tokens, logprobs, tops)
 
-    ok = (d == argmax[:, :K]) & valid  # [B, K] the greedy rule
-    num_acc = ok.long().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
-    final = argmax.gather(1, num_acc.unsqueeze(1)).squeeze(1)  # [B] greedy correction / bonus
-    sampled = ~greedy
-    if bool(sampled.any()):
-        p = _filtered_probs(scaled, per_pos)  # [B, K+1, V]
-        if drafts.draft_probs is None:
-            s_acc, s_final = _sample_through(p, d, drafts.num_drafts, sampled, generators, shared)
-        else:
-            s_acc, s_final = _reject(drafts, d, p, valid, sampled, generators, shared)
-        num_acc = torch.where(sampled, s_acc, num_acc)
-        final = torch.where(sampled, s_final, final)
 
-    emitted = torch.cat([d, final.new_zeros(B, 1)], dim=1)  # [B, K+1]
-    emitted.scatter_(1, num_acc.unsqueeze(1), final.unsqueeze(1))
-    chosen = logprobs.gather(2, emitted.unsqueeze(2)).squeeze(2)  # [B, K+1]
-    counts = num_acc.tolist()
-    toks, lps = emitted.tolist(), chosen.tolist()
-    tops = top_logprobs_of(logprobs.view(B * K1, V), per_pos)  # [B*(K+1)][top] or None
-    top_rows = (
-        None if tops is None else [tops[b * K1 : b * K1 + n + 1] for b, n in enumerate(counts)]
-    )
-    return VerifyResult(
-        num_accepted=counts,
-        token_ids=[row[: n + 1] for row, n in zip(toks, counts, strict=True)],
-        logprobs=[row[: n + 1] for row, n in zip(lps, counts, strict=True)],
-        top_logprobs=top_rows,
-    )
+def follow(drafted: Sequence[int], choose: Callable[[int], int]) -> tuple[int, int]:
+    """Walk a chain: the target's token at position j (``choose``), on while it is the draft.
+    Returns (drafts accepted, the token emitted after them)."""
+    j = 0
+    while True:
+        y = choose(j)
+        if j == len(drafted) or y != drafted[j]:
+            return j, y
+        j += 1
+
+
+def drawer(
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None
+) -> Callable[[int], int]:
+    """Draws the token at position j of one row's logits [Q, V] exactly as the engine's
+    sampler would there (temperature, filters, its next uniform, ``inverse_cdf``)."""
+    temp = torch.tensor([params.temperature])  # [1] fp32, as the sampler divides
+
+    def draw(j: int) -> int:
+        scaled = logits[j : j + 1] / temp.unsqueeze(1)  # [1, V]
+        probs = torch.softmax(apply_filters(scaled, [params]), dim=-1)  # [1, V]
+        return int(inverse_cdf(probs, torch.rand(1, generator=gen, dtype=torch.float64)))
+
+    return draw
+
+
+def target_logprobs(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[Sequence[int]],
+    tokens: Sequence[Sequence[int]],
+) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]] | None]:
+    """The sampler's logprobs (``log_softmax(logits / T)``, T = 1 when greedy) of row b's
+    ``tokens[b]`` at its ``positions[b]`` of logits [B, Q, V], and the top logprobs there
+    when asked for: computed for those positions only."""
+    at_row = [b for b, pos in enumerate(positions) for _ in pos]  # [T]
+    per_tok = [params[b] for b in at_row]
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in per_tok])  # [T]
+    picked = logits[at_row, [j for pos in positions for j in pos]]  # [T, V]
+    logprobs = torch.log_softmax(picked / temps.unsqueeze(1), dim=-1)  # [T, V]
+    flat = torch.tensor([t for row in tokens for t in row], dtype=torch.long)  # [T]
+    chosen = logprobs.gather(1, flat.unsqueeze(1)).squeeze(1).tolist()  # [T]
+    tops = top_logprobs_of(logprobs, per_tok)  # [T][top] or None
+    lps: list[list[float]] = []
+    top_rows: list[list[list[tuple[int, float]]]] = []
+    at = 0
+    for row in tokens:
+        lps.append(chosen[at : at + len(row)])
+        if tops is not None:
+            top_rows.append(tops[at : at + len(row)])
+        at += len(row)
+    return lps, top_rows if tops is not None else None
 
 
 def _filtered_probs(scaled: torch.Tensor, per_pos: Sequence[SamplingParams]) -> torch.Tensor:
@@ -155,45 +194,22 @@ def _filtered_probs(scaled: torch.Tensor, per_pos: Sequence[SamplingParams]) -> 
     return torch.softmax(filtered, dim=-1).view(B, K1, V)
 
 
-def _sample_through(
-    p: torch.Tensor,
-    d: torch.Tensor,
-    num_drafts: torch.Tensor,
-    sampled: torch.Tensor,
-    generators: Sequence[torch.Generator | None] | None,
-    shared: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic drafts: each sampled row draws its tokens from p [B, K+1, V] position by
-    position as the sampler would, while they equal its drafts d [B, K]. Returns accepted
-    drafts [B] and the emitted token after them [B] (zeros on greedy rows)."""
-    B = p.shape[0]
-    acc, final = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
-    rows, ns = d.tolist(), num_drafts.tolist()
-    for b in range(B):
-        if not bool(sampled[b]):
-            continue
-        gen = generators[b] if generators is not None and generators[b] is not None else shared
-        for j in range(ns[b] + 1):
-            u = torch.rand(1, generator=gen, dtype=torch.float64)
-            y = int(inverse_cdf(p[b, j : j + 1], u))
-            if j == ns[b] or y != rows[b][j]:
-                acc[b], final[b] = j, y
-                break
-    return acc, final
-
-
 def _reject(
     drafts: ChainDrafts,
-    d: torch.Tensor,
-    p: torch.Tensor,
-    valid: torch.Tensor,
-    sampled: torch.Tensor,
     generators: Sequence[torch.Generator | None] | None,
     shared: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drafts drawn from q: rejection sampling. Returns accepted drafts [B] and the
-    correction / bonus token [B] (meaningful on sampled rows)."""
-    K = d.shape[1]
+    """Drafts drawn from q: rejection sampling over every position. Returns accepted drafts
+    [B] and the correction / bonus token [B] (meaningful on sampled rows)."""
+    logits, params = drafts.target_logits, drafts.params
+    B, K1, V = logits.shape
+    K = K1 - 1
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])  # [B]
+    per_pos = [p for p in params for _ in range(K1)]  # [B*(K+1)] settings, row-major
+    p = _filtered_probs(logits / temps.view(B, 1, 1), per_pos)  # [B, K+1, V]
+    valid = torch.arange(K).unsqueeze(0) < drafts.num_drafts.unsqueeze(1)  # [B, K]
+    d = torch.where(valid, drafts.draft_tokens, 0)  # [B, K] padding -> a safe index
+    sampled = torch.tensor([not prm.greedy for prm in params])  # [B]
     u = _uniforms(drafts.num_drafts, sampled, generators, shared, K)  # [B, K+1] fp64
     # fp64 only on gathered values: a [B, K+1, V] fp64 copy would be ~100 MB at V=49k.
     p_d = p[:, :K].gather(2, d.unsqueeze(2)).squeeze(2).double()  # [B, K]
