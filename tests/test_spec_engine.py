@@ -81,13 +81,30 @@ def varied_params() -> list[SamplingParams]:
     ]
 
 
+def seeded_params() -> list[SamplingParams]:
+    """Sampled with a seed per request (filters varied), lengths varied."""
+    filters = [{}, {"top_k": 5}, {"top_p": 0.8}, {"min_p": 0.1}, {"top_k": 20, "top_p": 0.9}]
+    return [
+        SamplingParams(max_new_tokens=n, temperature=t, seed=100 + i, ignore_eos=True,
+                       logprobs=True, **f)
+        for i, (n, t, f) in enumerate(zip((40, 7, 64, 23, 50), (0.3, 0.5, 0.3, 1.0, 0.3),
+                                          filters, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 @pytest.mark.parametrize(
     "name",
     ["ngram", "suffix", "suffix-tree", "drafter-plain", "drafter-fused", "drafter-sliced",
      "tree", "auto"],
 )
-def test_greedy_output_and_logprobs_equal_plain_decoding(tiny_model_dir, drafters, name) -> None:
-    params = varied_params()
+def test_output_and_logprobs_equal_plain_decoding(tiny_model_dir, drafters, name, sampling
+                                                  ) -> None:
+    """Greedy, and seeded sampling: drafts are drawn through (speculative/verify.py), each
+    emitted token being the draw plain decoding makes there with the request's next uniform,
+    so a seeded request samples the same tokens with speculation on as off, batched or
+    alone."""
+    params = varied_params() if sampling == "greedy" else seeded_params()
     plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
     llm = make_llm(tiny_model_dir, spec_configs(drafters, max_batch=8)[name])
     batched = llm.generate(PROMPTS, params)
@@ -103,37 +120,6 @@ def test_greedy_output_and_logprobs_equal_plain_decoding(tiny_model_dir, drafter
     assert sum(c.verify_ct for c in counts) > 0
     assert all(c.accepted <= c.drafted for c in counts)
     assert stats.generated_tokens == 2 * sum(p.max_new_tokens for p in params)
-
-
-def seeded_params() -> list[SamplingParams]:
-    """Sampled with a seed per request (filters varied), lengths varied."""
-    filters = [{}, {"top_k": 5}, {"top_p": 0.8}, {"min_p": 0.1}, {"top_k": 20, "top_p": 0.9}]
-    return [
-        SamplingParams(max_new_tokens=n, temperature=t, seed=100 + i, ignore_eos=True,
-                       logprobs=True, **f)
-        for i, (n, t, f) in enumerate(zip((40, 7, 64, 23, 50), (0.3, 0.5, 0.3, 1.0, 0.3),
-                                          filters, strict=True))
-    ]
-
-
-@pytest.mark.parametrize(
-    "name", ["ngram", "suffix", "suffix-tree", "drafter-plain", "drafter-sliced", "tree", "auto"]
-)
-def test_seeded_sampling_equals_plain_decoding(tiny_model_dir, drafters, name) -> None:
-    """Drafts are sampled through (speculative/verify.py): each emitted token is the draw
-    plain decoding makes there with the request's next uniform, so a seeded request samples
-    the same tokens with speculation on as off, batched or alone."""
-    params = seeded_params()
-    plain = make_llm(tiny_model_dir).generate(PROMPTS, params)
-    llm = make_llm(tiny_model_dir, spec_configs(drafters, max_batch=8)[name])
-    batched = llm.generate(PROMPTS, params)
-    alone = [llm.generate([p], [sp])[0] for p, sp in zip(PROMPTS, params, strict=True)]
-    for ref, got_b, got_1 in zip(plain, batched, alone, strict=True):
-        r, b, one = ref.samples[0], got_b.samples[0], got_1.samples[0]
-        assert b.token_ids == r.token_ids == one.token_ids
-        torch.testing.assert_close(b.logprobs, r.logprobs, atol=1e-4, rtol=0)
-    stats = llm.engine.stats
-    assert stats.spec.steps > 0 and 0 < stats.spec.accepted <= stats.spec.drafted
 
 
 def test_bf16_with_the_own_kernels_is_bitwise_plain_decoding(
