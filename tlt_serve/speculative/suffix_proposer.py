@@ -119,7 +119,9 @@ class SuffixDrafts:
 
     def weights_changed(self) -> None:
         """Everything indexed so far was written by the old weights: its occurrences count
-        ``stale_weight`` times what they did (live samples' tokens so far included)."""
+        ``stale_weight`` times what they did. The weight is per sequence, so a sample still
+        running counts at the discount for its later tokens too (RL updates weights between
+        rollouts, when none runs)."""
         for h in self.histories.values():
             h.store.discount(self.config.stale_weight)
         self.corpus.discount(self.config.stale_weight)

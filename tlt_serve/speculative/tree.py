@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt_serve.sampling_params import SamplingParams
-from tlt_serve.speculative.verify import VerifyResult, drawer, target_logprobs
+from tlt_serve.speculative.verify import VerifyResult, drawer, row_generator, target_logprobs
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,7 @@ def verify_tree(
         if b in argmax:
             choose: Callable[[int], int] = argmax[b].__getitem__
         else:
-            own = generators[b] if generators is not None else None
-            choose = drawer(logits[b], params[b], own if own is not None else shared)
+            choose = drawer(logits[b], params[b], row_generator(generators, shared, b))
         path, emitted = _walk(tree, choose)
         paths.append(path)
         tokens.append(emitted)

@@ -121,8 +121,7 @@ def verify_chain(
             counts[b], finals[b] = follow(chains[b], best.__getitem__)
     if sampled and drafts.draft_probs is None:
         for b in sampled:
-            own = generators[b] if generators is not None else None
-            gen = own if own is not None else shared
+            gen = row_generator(generators, shared, b)
             counts[b], finals[b] = follow(chains[b], drawer(logits[b], params[b], gen))
     elif sampled:
         num_acc, final = _reject(drafts, generators, shared)
@@ -131,6 +130,14 @@ def verify_chain(
     tokens = [chain[:n] + [f] for chain, n, f in zip(chains, counts, finals, strict=True)]
     logprobs, tops = target_logprobs(logits, params, [list(range(len(t))) for t in tokens], tokens)
     return VerifyResult(counts, tokens, logprobs, tops)
+
+
+def row_generator(
+    generators: Sequence[torch.Generator | None] | None, shared: torch.Generator | None, b: int
+) -> torch.Generator | None:
+    """Row b's own generator (a seeded request), else the shared one."""
+    own = generators[b] if generators is not None else None
+    return own if own is not None else shared
 
 
 def follow(drafted: Sequence[int], choose: Callable[[int], int]) -> tuple[int, int]:
