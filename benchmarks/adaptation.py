@@ -44,7 +44,7 @@ from benchmarks.adaptation_reference import (
 from benchmarks.drift import DriftConfig, version_dirs
 from benchmarks.serverproc import running_server
 from clients.tasks import make_problems, prompt_ids, reward
-from tlt_serve.capture import decode_samples, encode_samples
+from tlt_serve.engine.capture import decode_samples, encode_samples
 from tlt_serve.models.provision import default_cache_dir
 from tlt_serve.models.tokenizer import load_tokenizer
 from trainer.train import TrainConfig

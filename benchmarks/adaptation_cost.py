@@ -44,7 +44,7 @@ def wait_for_trainer(url: str, timeout: float = 300) -> None:
 
 def captured_sequences(url: str) -> list[list[int]]:
     """Token ids of the samples the capture server kept."""
-    from tlt_serve.capture import decode_samples
+    from tlt_serve.engine.capture import decode_samples
 
     blob = httpx.get(f"{url}/drafter/samples", params={"max_bytes": 1 << 30}, timeout=300)
     return [s.tokens.tolist() for s in decode_samples(blob.content)]

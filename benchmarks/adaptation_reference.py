@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from tlt_serve.capture import TrainingSample
+from tlt_serve.engine.capture import TrainingSample
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
-from tlt_serve.engine.llm import LLM
+from tlt_serve.llm import LLM
 from tlt_serve.models.llama import LlamaModel
 from tlt_serve.models.loader import build_model
 from tlt_serve.speculative.checkpoint import load_drafter, save_drafter

@@ -19,7 +19,7 @@ from benchmarks import report
 from benchmarks.adaptation_reference import version_stub
 from benchmarks.prompts import ALL, CHAT, CODE, REASONING, chat_messages
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
-from tlt_serve.engine.llm import LLM
+from tlt_serve.llm import LLM
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
 from tlt_serve.sampling_params import SamplingParams

@@ -26,7 +26,7 @@ def free_port() -> int:
 def start_server(args: Sequence[str]) -> tuple[subprocess.Popen[bytes], str]:
     """``tlt-serve serve *args`` on a free port; returns once /health answers 200."""
     port = free_port()
-    cmd = [sys.executable, "-m", "tlt_serve.server.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "tlt_serve", "serve", "--port", str(port),
            "--log-level", "warning", *args]
     return _start(cmd, os.environ.copy(), port)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from clients.client import Client
-from tlt_serve.engine.weight_sync import WeightSyncGroup, specs_of
+from tlt_serve.weight_sync import WeightSyncGroup, specs_of
 
 
 class DistributedPusher:

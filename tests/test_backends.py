@@ -4,39 +4,48 @@ start naming the flag."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-from pathlib import Path
-from types import SimpleNamespace
+import inspect
+import typing
 
 import pytest
 
-from tlt_serve.backends import CONTROLS, VLLM_INSTALL, missing
+from tlt_serve.backends import VLLM_INSTALL, missing
+from tlt_serve.backends.native.controls import Background
 from tlt_serve.config import CaptureConfig, ConfigError, EngineConfig, SpecConfig
-from tlt_serve.server.cli import parse_args
+from tlt_serve.contract.controls import (
+    CONTROLS,
+    ControlOp,
+    InitWeightsUpdateGroup,
+    UpdateWeightsFromDistributed,
+)
+from tlt_serve.flags import parse as parse_serve_flags
 
 
-def test_the_native_engine_answers_every_control(tiny_model_dir: Path) -> None:
-    from tlt_serve import LLM
-    from tlt_serve.server.engine_proc import EngineLoop
-
-    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=64)
-    assert set(CONTROLS) <= set(EngineLoop(llm.engine, conn=None).controls)
+def _reply_type(op: type) -> type:
+    """R of ``class Op(ControlOp[R])``."""
+    (base,) = [b for b in op.__orig_bases__ if typing.get_origin(b) is ControlOp]
+    return typing.get_args(base)[0]
 
 
-def test_the_vllm_engine_answers_every_control(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Built without vLLM: the handlers only reach vLLM when called."""
-    from tlt_serve.backends.vllm.controls import BasicControls
-    from tlt_serve.backends.vllm.drafter import VllmDrafter
-    from tlt_serve.backends.vllm.engine import VllmSpec
-    from tlt_serve.backends.vllm.weights import VllmWeights
-
-    loop = SimpleNamespace(info=SimpleNamespace(model_path=str(tiny_model_dir)), version="0")
-    handlers = {
-        **BasicControls(loop).handlers(),  # type: ignore[arg-type]
-        **VllmWeights(loop, tiny_model_dir, tmp_path).handlers(),  # type: ignore[arg-type]
-        **VllmDrafter(loop, VllmSpec("none", None), tmp_path).handlers(),  # type: ignore[arg-type]
-    }
+@pytest.mark.parametrize("backend", ["native", "vllm"])
+def test_every_backend_answers_every_control_with_its_reply_type(backend: str) -> None:
+    """Read from the tables the engine loops dispatch on (importing them needs no vLLM): each
+    control has one handler, which takes that control and returns its reply type."""
+    handlers = importlib.import_module(f"tlt_serve.backends.{backend}.controls").HANDLERS
+    assert set(CONTROLS) == set(ControlOp.__subclasses__())  # CONTROLS lists them all
     assert set(handlers) == set(CONTROLS)
+    for op, handler in handlers.items():
+        hints = typing.get_type_hints(handler)
+        assert hints["op"] is op, (op, handler)
+        returned = hints["return"]
+        if backend == "vllm":  # async handlers
+            assert inspect.iscoroutinefunction(handler), handler
+        expected = _reply_type(op)
+        allowed = (expected, Background) if op in (InitWeightsUpdateGroup,
+                                                  UpdateWeightsFromDistributed) else (expected,)
+        assert returned in allowed, (op, returned)
 
 
 def test_a_missing_vllm_is_one_line_naming_the_install(monkeypatch, capsys) -> None:
@@ -45,7 +54,7 @@ def test_a_missing_vllm_is_one_line_naming_the_install(monkeypatch, capsys) -> N
                         lambda name, *a: None if name == "vllm" else real(name, *a))
     assert VLLM_INSTALL in (missing("vllm") or "") and missing("native") is None
     with pytest.raises(SystemExit) as exc:
-        parse_args(["serve", "--backend", "vllm"])
+        parse_serve_flags(["--backend", "vllm"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and VLLM_INSTALL in err
 

@@ -7,7 +7,9 @@ import torch
 import transformers
 
 from tlt_serve import LLM, SamplingParams
+from tlt_serve.backends.native.updates import EngineUpdates
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tlt_serve.contract.controls import ControlError, WeightsUpdated
 from tlt_serve.engine.outputs import RequestResult
 from tlt_serve.models.loader import iter_safetensors
 from tlt_serve.sampling_params import ParamError
@@ -249,12 +251,14 @@ def test_weight_update_changes_outputs_and_version(tiny_model_dir, tiny_model_fa
     assert before.weight_version == "0"
     other = tiny_model_factory("llama", seed=1)
     bad = [("model.norm.weight", torch.ones(3))]
-    res = llm.engine.update_weights(bad, "v-bad")
-    assert not res.ok and "model.norm.weight" in res.message and res.weight_version == "0"
+    updates = EngineUpdates(llm.engine)
+    with pytest.raises(ControlError, match="model.norm.weight"):
+        updates.load(bad, "v-bad")
+    assert llm.engine.weight_version == "0"
     assert llm.generate([ids], GREEDY)[0].samples[0].token_ids == before.token_ids
 
-    res = llm.engine.update_weights(iter_safetensors(other), "step-1")
-    assert res.ok and res.weight_version == "step-1"
+    res = updates.load(iter_safetensors(other), "step-1")
+    assert res.weight_version == llm.engine.weight_version == "step-1"
     after = llm.generate([ids], GREEDY)[0].samples[0]
     assert after.weight_version == "step-1" and after.token_ids != before.token_ids
     fresh = make_llm(other, rows=2).generate([ids], GREEDY)[0].samples[0]
@@ -274,55 +278,62 @@ def test_weight_update_from_distributed(tiny_model_dir, tiny_model_factory) -> N
     (rank 1) receives them between steps and applies them all or none."""
     import threading
 
-    from tlt_serve.engine.weight_sync import TensorSpec, WeightSyncGroup, specs_of
+    from tlt_serve.weight_sync import TensorSpec, WeightSyncGroup, specs_of
 
     llm = make_llm(tiny_model_dir, rows=2)
+    updates = EngineUpdates(llm.engine)
     ids = llm.tokenizer.encode(PROMPTS[0])
     before = llm.generate([ids], GREEDY)[0].samples[0].token_ids
     port = _free_port()
     results = {}
 
     def engine_side(action) -> None:
-        results[action.__name__] = action()
+        try:
+            results[action.__name__] = action()
+        except ControlError as err:
+            results[action.__name__] = err
 
     def join():
-        return llm.engine.init_weight_sync("127.0.0.1", port, 1, 2, "gloo")
+        return updates.join_group("127.0.0.1", port, 1, 2, "gloo")
+
+    def receive_and_load(specs, version):
+        return updates.load(updates.receive(specs), version)
 
     t = threading.Thread(target=engine_side, args=(join,))
     t.start()
     trainer = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo")
     t.join()
-    assert results["join"].ok
+    assert isinstance(results["join"], WeightsUpdated)
 
     # A spec whose shape does not fit is received, then refused as a whole.
     new = list(iter_safetensors(tiny_model_factory("llama", seed=1)))
     bad = [*new[:3], ("model.norm.weight", torch.ones(7))]
 
     def update_bad():
-        return llm.engine.update_weights_from_distributed(specs_of(bad), "bad")
+        return receive_and_load(specs_of(bad), "bad")
 
     t = threading.Thread(target=engine_side, args=(update_bad,))
     t.start()
     trainer.send(bad)
     t.join()
-    assert not results["update_bad"].ok and "model.norm.weight" in results["update_bad"].message
+    refused = results["update_bad"]
+    assert isinstance(refused, ControlError) and "model.norm.weight" in str(refused)
     assert llm.generate([ids], GREEDY)[0].samples[0].token_ids == before
 
     def update_good():
-        return llm.engine.update_weights_from_distributed(specs_of(new), "rl-1")
+        return receive_and_load(specs_of(new), "rl-1")
 
     t = threading.Thread(target=engine_side, args=(update_good,))
     t.start()
     trainer.send(new)
     t.join()
-    assert results["update_good"].ok and llm.engine.weight_version == "rl-1"
+    assert results["update_good"].weight_version == llm.engine.weight_version == "rl-1"
     after = llm.generate([ids], GREEDY)[0].samples[0]
     fresh = make_llm(tiny_model_factory("llama", seed=1), rows=2).generate([ids], GREEDY)
     assert after.token_ids == fresh[0].samples[0].token_ids != before
     assert after.weight_version == "rl-1"
-    assert not llm.engine.update_weights_from_distributed(
-        [TensorSpec("x", "int8", (1,))], "v"
-    ).ok
+    with pytest.raises(ControlError):
+        receive_and_load([TensorSpec("x", "int8", (1,))], "v")
 
 
 def test_extend_forward_scores_several_tokens_after_a_cached_prefix(tiny_model_dir, hf) -> None:

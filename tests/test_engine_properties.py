@@ -19,9 +19,11 @@ from hypothesis.stateful import (
 )
 
 from tlt_serve import SamplingParams
+from tlt_serve.backends.native.updates import EngineUpdates
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tlt_serve.engine.engine import Engine
 from tlt_serve.models.loader import iter_safetensors
+from tlt_serve.speculative.decoder import build_spec_decoder
 
 ROWS, MAX_LEN = 4, 48
 
@@ -29,7 +31,7 @@ ROWS, MAX_LEN = 4, 48
 def make_engine(model: Path, spec: SpecConfig) -> Engine:
     return Engine(EngineConfig(
         model=ModelConfig(model=str(model), dtype="float32", max_model_len=MAX_LEN),
-        cache=CacheConfig(max_num_seqs=ROWS), spec=spec, seed=0))
+        cache=CacheConfig(max_num_seqs=ROWS), spec=spec, seed=0), build_spec_decoder)
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -83,8 +85,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule()
     def update_weights(self) -> None:
-        result = self.engine.update_weights(iter_safetensors(self.model), f"w{self.next_id}")
-        assert result.ok
+        EngineUpdates(self.engine).load(iter_safetensors(self.model), f"w{self.next_id}")
 
     @invariant()
     def rows_are_owned_once(self) -> None:

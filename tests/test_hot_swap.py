@@ -13,6 +13,7 @@ from tests.test_engine import PROMPTS
 from tests.test_spec_engine import make_llm
 from tests.tiny import make_tiny_drafter
 from tlt_serve import SamplingParams
+from tlt_serve.backends.native.updates import EngineUpdates
 from tlt_serve.config import SpecConfig
 from tlt_serve.engine.engine import Engine
 from tlt_serve.engine.outputs import RequestResult
@@ -43,8 +44,8 @@ def run(engine: Engine, swap_every: int = 0, paths: tuple[Path, ...] = ()) -> li
     while engine.has_work():
         if swap_every and steps and steps % swap_every == 0:
             swaps += 1
-            update = engine.update_drafter(str(paths[swaps % len(paths)]), version=swaps)
-            assert update.ok and update.drafter_version == swaps, update.message
+            update = EngineUpdates(engine).swap_drafter(str(paths[swaps % len(paths)]), swaps)
+            assert update.success and update.drafter_version == swaps, update.message
         for out in engine.step():
             results[out.rid].add(out)
         steps += 1
@@ -77,19 +78,20 @@ def test_bad_swaps_are_refused_and_the_old_drafter_serves_on(
 ) -> None:
     spec = SpecConfig(method="drafter", min_draft_confidence=0.0, drafter=str(pair["a"]))
     engine = make_llm(tiny_model_dir, spec).engine
-    assert engine.update_drafter(str(pair["b"]), version=5).ok
+    updates = EngineUpdates(engine)
+    assert updates.swap_drafter(str(pair["b"]), version=5).success
     before = engine.spec.drafter
     for path, words in [
         (tmp_path / "missing", "not a directory"),
         (pair["fused"], "feature_layers"),
         (tiny_model_dir, "tlt_drafter"),  # a target, not a drafter
     ]:
-        result = engine.update_drafter(str(path))
-        assert not result.ok and words in result.message, result.message
+        result = updates.swap_drafter(str(path))
+        assert not result.success and words in result.message, result.message
         assert result.drafter_version == 5 and engine.spec.drafter is before
     plain_engine = make_llm(tiny_model_dir).engine
-    refused = plain_engine.update_drafter(str(pair["a"]))
-    assert not refused.ok and "without a drafter" in refused.message
+    refused = EngineUpdates(plain_engine).swap_drafter(str(pair["a"]))
+    assert not refused.success and "without a drafter" in refused.message
     out = run(engine)  # still serving, and only version 5 drafts
     assert all(r.spec.drafter_versions == (5,) for r in out)
 
@@ -103,5 +105,5 @@ def test_target_update_reslices_the_draft_head(
     assert drafter is not None and drafter.head is not None
     name = "model.embed_tokens.weight" if engine.model.cfg.tie_word_embeddings else "lm_head.weight"
     new = engine.model.lm_head.weight.detach().clone() * 1.5
-    assert engine.update_weights([(name, new)], "1").ok
+    assert EngineUpdates(engine).load([(name, new)], "1").weight_version == "1"
     torch.testing.assert_close(drafter.head.weight, new[drafter.draft_vocab])

@@ -16,10 +16,10 @@ from tests.test_server_harness import Served, scrape, serve
 from tests.test_spec_engine import make_llm
 from tests.tiny import make_tiny_drafter
 from tlt_serve import SamplingParams
-from tlt_serve.capture import decode_samples
 from tlt_serve.config import CaptureConfig, SpecConfig
-from tlt_serve.server.cli import parse_args
-from tlt_serve.server.supervisor import trainer_command
+from tlt_serve.engine.capture import decode_samples
+from tlt_serve.flags import parse as parse_serve_flags
+from tlt_serve.server.common.training import trainer_command
 from trainer.cli import build_parser, online_config
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?", "Bonjour, ça va?"]
@@ -43,26 +43,26 @@ def served_drafter(tiny_model_dir: Path, drafters: list[Path]) -> Iterator[Serve
 
 
 def test_cli_capture_and_training_flags() -> None:
-    cfg = parse_args(["serve", "--train-drafter", "--train-max-running", "2",
+    cfg = parse_serve_flags(["--train-drafter", "--train-max-running", "2",
                       "--capture-max-mb", "64", "--capture-sample-rate", "0.5",
                       "--speculative", "auto", "--drafter", "/d", "--trainer-threads", "1"])
     assert cfg.engine.capture.enabled and cfg.training.enabled  # training implies capture
     assert (cfg.engine.capture.max_bytes, cfg.engine.capture.sample_rate) == (64 << 20, 0.5)
     assert cfg.training.max_running == 2 and cfg.training.threads == 1
     assert cfg.training.nice == 19  # default: the lowest CPU priority
-    assert parse_args(["serve", "--trainer-nice", "5"]).training.nice == 5
+    assert parse_serve_flags(["--trainer-nice", "5"]).training.nice == 5
     cmd = trainer_command(cfg, "http://127.0.0.1:1")
     assert cmd[cmd.index("--threads") + 1] == "1" and cmd[cmd.index("--init") + 1] == "/d"
     # The trainer parses it: one micro-step of 4 x 64 pairs per optimizer step (it is
     # suspended by signal, so a longer tick does not delay yielding).
     online = online_config(build_parser().parse_args(cmd[cmd.index("online"):]))
     assert (online.rows, online.row_len, online.accum, online.init) == (4, 64, 1, "/d")
-    assert not parse_args(["serve"]).engine.capture.enabled
+    assert not parse_serve_flags([]).engine.capture.enabled
 
 
 def test_cli_training_needs_a_drafter(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        parse_args(["serve", "--train-drafter"])
+        parse_serve_flags(["--train-drafter"])
     assert exc.value.code == 2 and "--drafter" in capsys.readouterr().err
 
 

@@ -119,8 +119,8 @@ def test_queue_full_is_503_with_retry_after(served: Served, http) -> None:
     """The engine refuses past max_waiting; the refusal travels back as a 503."""
     from dataclasses import replace
 
-    small = replace(served.client.config.scheduler, max_waiting=1)
-    engine = replace(served.client.config, scheduler=small)
+    small = replace(served.bridge.config.scheduler, max_waiting=1)
+    engine = replace(served.bridge.config, scheduler=small)
     tiny = serve(served.model_dir, api_key=KEY, max_num_seqs=1, scheduler=engine.scheduler)
     try:
         with tiny.http() as c:

@@ -10,6 +10,7 @@ import pytest
 
 from tests.test_server_harness import MAX_MODEL_LEN, scrape, sse_events
 from tlt_serve import LLM, SamplingParams
+from tlt_serve.contract.controls import GetStats
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?"]
 
@@ -202,19 +203,19 @@ def test_flush_cache_when_idle(http) -> None:
 
 
 def test_bridge_generate_and_call_api(served, http, llm) -> None:
-    """EngineClient used directly (on the server's loop): outputs of all n samples, RPCs."""
+    """Bridge used directly (on the server's loop): outputs of all n samples, RPCs."""
     http.get("/health_generate")  # makes sure the client is bound to the server's loop
-    loop = served.client.loop
+    loop = served.bridge.loop
     assert loop is not None
     params = SamplingParams(max_new_tokens=5, temperature=0, n=2)
 
     async def run() -> tuple[list, dict]:
-        outs = [o async for o in served.client.generate("bridge-1", [5, 6, 7], params)]
-        return outs, await served.client.call("stats")
+        outs = [o async for o in served.bridge.generate("bridge-1", [5, 6, 7], params)]
+        return outs, await served.bridge.call(GetStats())
 
     outs, stats = asyncio.run_coroutine_threadsafe(run(), loop).result(30)
     ref = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5, temperature=0))
     for sub in ("bridge-1#0", "bridge-1#1"):
         assert [t for o in outs if o.rid == sub for t in o.token_ids] == ref[0].samples[0].token_ids
         assert [o.finished for o in outs if o.rid == sub][-1]
-    assert stats["stats"].running == 0
+    assert stats.running == 0

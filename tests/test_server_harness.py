@@ -20,9 +20,9 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from tlt_serve.flags import parse as parse_serve_flags
 from tlt_serve.server.app import build_app
-from tlt_serve.server.bridge import EngineClient
-from tlt_serve.server.cli import parse_args
+from tlt_serve.server.common.bridge import Bridge
 
 MAX_MODEL_LEN = 256
 
@@ -30,7 +30,7 @@ MAX_MODEL_LEN = 256
 @dataclass
 class Served:
     base_url: str
-    client: EngineClient
+    bridge: Bridge
     server: uvicorn.Server
     thread: threading.Thread
     model_dir: Path
@@ -43,7 +43,7 @@ class Served:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
-        self.client.shutdown()
+        self.bridge.shutdown()
 
 
 def server_config(
@@ -70,20 +70,20 @@ def serve(
 ) -> Served:
     """``server_kw``: other ServerConfig fields (admin_key, request_timeout_s, ...)."""
     config = server_config(model_dir, api_key, server_kw, **engine_kw)
-    client = EngineClient(config.engine, "warning", config.request_timeout_s)
-    client.start()
-    app = build_app(config, client)
+    bridge = Bridge(config.engine, "warning", config.request_timeout_s)
+    bridge.start()
+    app = build_app(config, bridge)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
-            client.shutdown()
+            bridge.shutdown()
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
-    return Served(f"http://127.0.0.1:{port}", client, server, thread, model_dir, api_key)
+    return Served(f"http://127.0.0.1:{port}", bridge, server, thread, model_dir, api_key)
 
 
 def sse_events(lines: Iterator[str]) -> list[Any]:
@@ -153,8 +153,8 @@ def scrape(http: httpx.Client) -> Scrape:
 
 
 def test_cli_parses_into_a_frozen_server_config() -> None:
-    cfg = parse_args([
-        "serve", "--model", "m", "--port", "1234", "--dtype", "float32", "--api-key", "k",
+    cfg = parse_serve_flags([
+        "--model", "m", "--port", "1234", "--dtype", "float32", "--api-key", "k",
         "--max-model-len", "512", "--max-num-seqs", "4", "--seed", "7", "--log-level", "debug",
     ])
     assert (cfg.port, cfg.api_key, cfg.log_level) == (1234, "k", "debug")
@@ -164,7 +164,7 @@ def test_cli_parses_into_a_frozen_server_config() -> None:
 
 
 def test_cli_defaults() -> None:
-    cfg = parse_args(["serve"])
+    cfg = parse_serve_flags([])
     assert (cfg.host, cfg.port, cfg.engine.model.dtype) == ("127.0.0.1", 30000, "bfloat16")
     assert cfg.engine.model.model == "smollm2-135m"
 

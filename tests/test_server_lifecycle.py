@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.test_server_harness import engine_counts, serve, server_config, sse_events, wait_for
-from tlt_serve.server.bridge import EngineClient, EngineStartError
+from tlt_serve.server.common.bridge import Bridge, EngineStartError
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
@@ -28,7 +28,7 @@ def start_cli(
 ) -> subprocess.Popen[str]:
     """The CLI in a session of its own (``os.killpg(proc.pid, ...)`` reaches every process it
     started, as Ctrl-C in a terminal would); ``env`` adds to the environment."""
-    cmd = [sys.executable, "-m", "tlt_serve.server.cli", "serve", "--model", model, "--port", "0",
+    cmd = [sys.executable, "-m", "tlt_serve", "serve", "--model", model, "--port", "0",
            "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
            "--log-level", "warning", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
@@ -161,7 +161,7 @@ def test_cli_bad_model_exits_nonzero(tmp_path) -> None:
 
 def test_engine_start_failure_is_reported_not_hung(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")  # a directory that is not a model
-    client = EngineClient(server_config(tmp_path).engine, "critical")
+    client = Bridge(server_config(tmp_path).engine, "critical")
     with pytest.raises(EngineStartError):
         client.start(timeout=120)
     client.shutdown()
@@ -188,7 +188,7 @@ def test_engine_death_fails_requests_and_health(tiny_model_dir) -> None:
             for t in threads:
                 t.start()
             wait_for(lambda: engine_counts(http)[1] == 2)
-            served.client._proc.kill()  # the engine process dies mid-service
+            served.bridge._proc.kill()  # the engine process dies mid-service
             for t in threads:
                 t.join(30)
             blocked = results["blocking"]

@@ -14,10 +14,11 @@ import pytest
 from tests.test_server_errors import assert_error
 from tests.test_server_harness import Served, engine_counts, serve, server_config, wait_for
 from tlt_serve.config import ConfigError
+from tlt_serve.flags import parse as parse_serve_flags
 from tlt_serve.sampling_params import ParamError
-from tlt_serve.server import results, routes_control
-from tlt_serve.server.cli import parse_args
-from tlt_serve.server.uploads import MAX_UPLOADS, TensorUploads
+from tlt_serve.server.common import jobs
+from tlt_serve.server.common.uploads import MAX_UPLOADS, TensorUploads
+from tlt_serve.server.control import routes as control_routes
 
 USER, ADMIN = "user-key", "admin-key"
 TIMEOUT_S = 1.5
@@ -128,7 +129,7 @@ def test_bodies_over_the_limit_get_413(served: Served) -> None:
 
 
 def test_cli_limit_flags() -> None:
-    cfg = parse_args(["serve", "--admin-key", "a", "--api-key", "u", "--request-timeout", "30",
+    cfg = parse_serve_flags(["--admin-key", "a", "--api-key", "u", "--request-timeout", "30",
                       "--max-body-mb", "2", "--max-waiting", "16"])
     assert (cfg.admin_key, cfg.api_key, cfg.request_timeout_s) == ("a", "u", 30.0)
     assert cfg.max_body_bytes == 2 << 20 and cfg.engine.scheduler.max_waiting == 16
@@ -166,7 +167,7 @@ def test_a_busy_engine_gives_503_or_stale_stats_not_500(served: Served, monkeypa
     with as_(served, USER) as http:
         assert http.post("/generate", json={"text": "hi", "sampling_params": OK_SP}
                          ).status_code == 200  # the engine has pushed stats at least once
-        monkeypatch.setattr(routes_control, "STATS_TIMEOUT_S", 0.0)
+        monkeypatch.setattr(control_routes, "STATS_TIMEOUT_S", 0.0)
         info = http.get("/get_server_info")
         assert info.status_code == 200 and info.json()["stats_stale"] is True
         busy = http.get("/health_generate")
@@ -184,7 +185,7 @@ def test_a_busy_engine_gives_503_or_stale_stats_not_500(served: Served, monkeypa
 def test_queued_streams_get_keepalive_comments(served: Served, monkeypatch, path, body) -> None:
     """A stream waiting in the queue sends SSE comments (proxies with idle timeouts keep it);
     here the request timeout then ends it, and it still closes properly."""
-    monkeypatch.setattr(results, "SSE_KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(jobs, "SSE_KEEPALIVE_S", 0.2)
     with as_(served, ADMIN) as http:
         http.post("/pause_generation", json={"mode": "in_place"})
         try:
@@ -199,7 +200,7 @@ def test_queued_streams_get_keepalive_comments(served: Served, monkeypatch, path
 
 
 def test_leaving_a_queued_stream_during_keepalives_frees_it(served: Served, monkeypatch) -> None:
-    monkeypatch.setattr(results, "SSE_KEEPALIVE_S", 0.1)
+    monkeypatch.setattr(jobs, "SSE_KEEPALIVE_S", 0.1)
     body = {"text": "hi", "stream": True,
             "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
     with as_(served, ADMIN) as http:
@@ -219,7 +220,7 @@ def test_sse_events_stay_on_one_line_for_line_readers() -> None:
     iter_lines (str.splitlines) breaks lines there; the soak smoke test once got an event
     cut in two. Escaped, the event is one line and decodes to the same text."""
     text = "a\x85b\u2028c\u2029d\x0be\x1cf"
-    event = results.sse_event(msgspec.json.encode({"text": text}))
+    event = jobs.sse_event(msgspec.json.encode({"text": text}))
     lines = [line for line in httpx._decoders.LineDecoder().decode(event.decode()) if line]
     assert len(lines) == 1 and lines[0].startswith("data: ")
     assert json.loads(lines[0][len("data: "):])["text"] == text

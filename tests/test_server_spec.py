@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_server_harness import Served, scrape, serve, sse_events
-from tlt_serve.server.cli import main, parse_args
+from tlt_serve.cli import main
+from tlt_serve.flags import parse as parse_serve_flags
 
 SPEC_FLAGS = ["--speculative", "ngram", "--spec-max-batch", "64"]
 PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?", "Bonjour, ça va?"]
@@ -20,7 +21,7 @@ SPEC_META = ("spec_accept_length", "spec_verify_ct", "spec_accept_rate")
 @pytest.fixture(scope="module")
 def spec_served(tiny_model_dir: Path) -> Iterator[Served]:
     """The tiny model served with n-gram speculation, configured through the CLI parser."""
-    spec = parse_args(["serve", *SPEC_FLAGS]).engine.spec
+    spec = parse_serve_flags([*SPEC_FLAGS]).engine.spec
     s = serve(tiny_model_dir, spec=spec)
     yield s
     s.stop()
@@ -39,13 +40,13 @@ def generate_batch(s: Served, **extra: object) -> list[dict]:
 
 
 def test_cli_spec_flags_build_spec_config() -> None:
-    cfg = parse_args(["serve", "--speculative", "drafter", "--drafter", "/d",
+    cfg = parse_serve_flags(["--speculative", "drafter", "--drafter", "/d",
                       "--num-draft-tokens", "6", "--spec-max-batch", "3",
                       "--min-draft-confidence", "0.25"]).engine.spec
     assert (cfg.method, cfg.drafter, cfg.num_draft_tokens, cfg.max_batch) == (
         "drafter", "/d", 6, 3)
     assert cfg.min_draft_confidence == 0.25
-    assert parse_args(["serve"]).engine.spec.method == "off"
+    assert parse_serve_flags([]).engine.spec.method == "off"
 
 
 @pytest.mark.parametrize(("argv", "names"), [
@@ -56,7 +57,7 @@ def test_cli_spec_flags_build_spec_config() -> None:
 ])
 def test_cli_bad_spec_values_exit_with_the_flag_named(argv, names, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
-        parse_args(["serve", *argv])
+        parse_serve_flags([*argv])
     assert exc.value.code != 0
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -157,7 +158,7 @@ def test_suffix_drafts_across_siblings_and_requests_in_both_dialects(tiny_model_
     and an OpenAI /v1/completions request for the same prompt drafts from their history
     (prompts are matched by token ids, whatever the dialect): same greedy text as plain
     decoding, nearly every draft accepted the second time."""
-    spec = parse_args(["serve", "--speculative", "suffix", "--spec-max-batch", "64",
+    spec = parse_serve_flags(["--speculative", "suffix", "--spec-max-batch", "64",
                        "--num-draft-tokens", "8"]).engine.spec
     plain, s = serve(tiny_model_dir), serve(tiny_model_dir, spec=spec)
     names = ("tlt_serve_spec_accepted_tokens_total", "tlt_serve_spec_sequence_verifies_total")

@@ -22,7 +22,7 @@ from tests.test_server_harness import (
     wait_for,
 )
 from tlt_serve import LLM, SamplingParams
-from tlt_serve.engine.weight_sync import WeightSyncGroup, specs_of
+from tlt_serve.weight_sync import WeightSyncGroup, specs_of
 
 PROMPT = [5, 17, 42, 99]
 GREEDY = {"max_new_tokens": 12, "temperature": 0}

@@ -16,7 +16,9 @@ from tests.staged import assert_switched_on_off_on, run_staged
 from tests.test_engine import PROMPTS
 from tests.tiny import make_tiny_drafter
 from tlt_serve import LLM, SamplingParams
+from tlt_serve.backends.native.updates import EngineUpdates
 from tlt_serve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SpecConfig
+from tlt_serve.contract.controls import ControlError
 from tlt_serve.speculative.checkpoint import DrafterError
 
 
@@ -629,9 +631,11 @@ def test_a_weight_update_discounts_the_suffix_history(tiny_model_dir) -> None:
         return {w for s in stores for w in s.weights.values()}
 
     assert weights() == {1.0}
-    assert not llm.engine.update_weights([("model.norm.weight", torch.ones(3))], "bad").ok
+    updates = EngineUpdates(llm.engine)
+    with pytest.raises(ControlError, match="model.norm.weight"):
+        updates.load([("model.norm.weight", torch.ones(3))], "bad")
     assert weights() == {1.0}
-    assert llm.engine.update_weights(iter_safetensors(tiny_model_dir), "1").ok
+    assert updates.load(iter_safetensors(tiny_model_dir), "1").weight_version == "1"
     assert weights() == {suffix.config.stale_weight}
     again = llm.generate(PROMPTS, params)  # the same weights: stale drafts still exact
     assert [o.samples[0].token_ids for o in again] == [r.samples[0].token_ids for r in plain]

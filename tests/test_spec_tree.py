@@ -16,9 +16,10 @@ from tests.test_spec_verify import (
     critical,
     expected_joint,
 )
+from tlt_serve.engine.draft_tree import DraftTree
 from tlt_serve.sampling_params import SamplingParams
 from tlt_serve.speculative import tree as tree_mod
-from tlt_serve.speculative.tree import DraftTree, verify_tree
+from tlt_serve.speculative.tree import verify_tree
 from tlt_serve.speculative.verify import ChainDrafts, verify_chain
 
 GREEDY = SamplingParams(temperature=0.0)

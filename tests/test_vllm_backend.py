@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from tests.real_drafter import fit_drafter
 from tests.test_server_harness import Served, serve, wait_for
 from tlt_serve import LLM, SamplingParams
-from tlt_serve.backends.vllm.engine import kv_cache_bytes
+from tlt_serve.backends.vllm.args import kv_cache_bytes
 from tlt_serve.config import (
     CacheConfig,
     CaptureConfig,
@@ -276,7 +276,7 @@ def test_weight_updates_every_path(model_dir: Path, new_weights: Path, prompts, 
 def distributed_update(http: httpx.Client, weights: Path) -> None:
     """The trainer's half (rank 0 of a gloo group) beside the server's two calls."""
     from benchmarks.serverproc import free_port
-    from tlt_serve.engine.weight_sync import WeightSyncGroup
+    from tlt_serve.weight_sync import WeightSyncGroup
 
     port = free_port()
     tensors = sorted(load_file(str(weights / "model.safetensors")).items())
@@ -415,7 +415,7 @@ def test_engine_core_death_means_503(model_dir: Path) -> None:
 
     s = start(model_dir)
     try:
-        engine = psutil.Process(s.client._proc.pid)
+        engine = psutil.Process(s.bridge._proc.pid)
         core = next(p for p in engine.children() if "EngineCore" in " ".join(
             [p.name(), *p.cmdline()]))
         core.kill()
@@ -435,7 +435,7 @@ def test_capture_feeds_the_online_trainer_which_vllm_then_serves(
     teacher-forced feature of the same tokens. The online trainer trains on them while the
     server is idle, publishes a drafter that beats the served one, and vLLM serves it: the
     same prompts accept more of its drafts than of the untrained one it started from."""
-    from tlt_serve.capture import decode_samples
+    from tlt_serve.engine.capture import decode_samples
     from trainer.data import target_features
     from trainer.link import ServerLink
     from trainer.online import OnlineConfig, OnlineTrainer
@@ -495,7 +495,7 @@ def test_a_drafter_vllm_cannot_load_is_refused_at_start(model_dir: Path, tmp_pat
                                                         drafters) -> None:
     """Before vLLM starts: a directory that is no drafter, and a drafter whose tensors do
     not fit vLLM's EAGLE drafter, each end the start with the reason."""
-    from tlt_serve.server.bridge import EngineStartError
+    from tlt_serve.server.common.bridge import EngineStartError
 
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -13,7 +13,7 @@ import sys
 def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
-    from tlt_serve.backends.vllm.engine import BLOCK_SIZE, set_cpu_env
+    from tlt_serve.backends.vllm.args import BLOCK_SIZE, set_cpu_env
 
     set_cpu_env()
     from vllm import LLM, SamplingParams

@@ -2,7 +2,7 @@
 
 import sys
 
-from tlt_serve.server.cli import main
+from tlt_serve.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 from tlt_serve.engine.kv_cache import KVCache
-from tlt_serve.engine.llm import LLM
 from tlt_serve.engine.runner import extend_batch
+from tlt_serve.llm import LLM
 from tlt_serve.models.llama import LlamaModel
 from tlt_serve.sampling_params import SamplingParams
 

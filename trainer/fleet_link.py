@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from tlt_serve.capture import TrainingSample
+from tlt_serve.engine.capture import TrainingSample
 from tlt_serve.fleet.router_api import RouterApi, RouterError
 from trainer.link import Gate, LinkError, ServerLink, TargetTensors
 

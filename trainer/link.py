@@ -10,7 +10,7 @@ import httpx
 import torch
 from safetensors.torch import load
 
-from tlt_serve.capture import TrainingSample, decode_samples, header_metadata
+from tlt_serve.engine.capture import TrainingSample, decode_samples, header_metadata
 from tlt_serve.models.arch import ArchConfig
 
 

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tlt_serve.capture import TrainingSample
+from tlt_serve.engine.capture import TrainingSample
 from trainer.data import Sample
 from trainer.packing import PackedBatch, Segment, make_batch, pack_rows
 

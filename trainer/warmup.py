@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
-from tlt_serve.engine.llm import LLM
+from tlt_serve.llm import LLM
 from tlt_serve.models.loader import build_model
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer

@@ -1,17 +1,17 @@
-"""The engines behind the server, and the one interface the routes use to reach them.
+"""The engines behind the server, and the one entry the front end uses to start them.
 
-A backend is an engine process: ``entry(config, conn, log_level)`` runs in a process of its
-own, sends ``Ready(EngineInfo)`` (or ``Failed``) once, then speaks ``server/messages.py``:
+A backend is an engine process: its entry ``(config, conn, log_level)`` runs in a process of
+its own, sends ``Ready(EngineInfo)`` (or ``Failed``) once, then speaks ``tlt_serve/contract``:
 it takes ``AddRequest`` / ``Abort`` / ``AbortAll`` / ``Control`` / ``Shutdown`` and sends
-``StepBatch``es of per-request ``StepOutput`` deltas, one ``Reply`` per ``Control``. The
-front end (``server/bridge.EngineClient``) and the routes never know which backend runs.
-Every backend answers every control in ``CONTROLS``; one it cannot honour fails with a
-message naming the field and the backend (the route answers 400).
+``StepBatch``es of per-request ``StepOutput`` deltas and one ``Reply`` per ``Control``, all
+through the shared ``common.outbox.Outbox``. The front end (``server/common/bridge.py``) and
+the routes never know which backend runs. Every backend answers every control in
+``contract.controls.CONTROLS`` (its ``HANDLERS`` table); one it cannot honour is refused
+naming the field and the backend.
 
-- ``native``: the own engine (``server/engine_proc.py``), the CPU default and the reference
-  for exactness.
+- ``native``: the own engine, the CPU default and the reference for exactness.
 - ``vllm``: vLLM's ``AsyncLLM`` in the engine process, with its own engine-core and worker
-  processes (``backends/vllm/``): the GPU path, tested here on vLLM's CPU build.
+  processes: the GPU path, tested here on vLLM's CPU build.
 """
 
 from __future__ import annotations
@@ -23,17 +23,8 @@ from typing import Any
 
 from tlt_serve.config import BACKENDS
 
-__all__ = ["BACKENDS", "CONTROLS", "engine_entry", "missing"]
+__all__ = ["BACKENDS", "VLLM_INSTALL", "entry_point", "missing"]
 VLLM_INSTALL = "bash scripts/install.sh --vllm"
-
-# Controls the front end sends (Control.name); their arguments are in server/routes_*.py.
-CONTROLS = (
-    "info", "stats", "pause", "continue", "flush_cache",
-    "update_weights_from_disk", "update_weights_from_file", "update_weight_version",
-    "init_weights_update_group", "update_weights_from_distributed",
-    "destroy_weights_update_group", "export_weights",
-    "update_drafter_from_disk", "drafter_info", "capture_take", "drafter_target",
-)
 
 
 def missing(backend: str) -> str | None:
@@ -43,12 +34,12 @@ def missing(backend: str) -> str | None:
     return None
 
 
-def engine_entry(backend: str) -> Callable[[Any, Connection, str], None]:
+def entry_point(backend: str) -> Callable[[Any, Connection, str], None]:
     """The engine process's entry point for ``backend`` (a picklable module function)."""
     if backend == "vllm":
-        from tlt_serve.backends.vllm.proc import run_vllm_engine
+        from tlt_serve.backends.vllm.process import run_vllm
 
-        return run_vllm_engine
-    from tlt_serve.server.engine_proc import run_engine
+        return run_vllm
+    from tlt_serve.backends.native.process import run_native
 
-    return run_engine
+    return run_native

@@ -1,22 +1,21 @@
 """The engine: one loop, ``step()`` = schedule → forward → sample → capture → postprocess.
 
-Not thread-safe: exactly one thread calls its methods (the offline LLM, or the server's
-engine loop, which applies control messages between steps).
+Not thread-safe: exactly one thread calls its methods (the offline LLM, or the native
+backend's process loop, which applies control messages between steps). Speculation comes in
+through ``speculation.Speculation`` (plain decoding without it); what RL changes between
+steps (weights, weight sync, the drafter) is the native backend's (``backends/native``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from tlt_serve.capture import CaptureBuffer
 from tlt_serve.config import EngineConfig
+from tlt_serve.engine.capture import CaptureBuffer
 from tlt_serve.engine.detokenizer import Detokenizer
 from tlt_serve.engine.features import committed_features
 from tlt_serve.engine.kv_cache import KVCache
@@ -25,41 +24,23 @@ from tlt_serve.engine.request import Request
 from tlt_serve.engine.runner import ModelRunner
 from tlt_serve.engine.sampler import Sampler
 from tlt_serve.engine.scheduler import Emitted, Sampled, Scheduler
+from tlt_serve.engine.speculation import SpeculationBuilder, plain_decoding
 from tlt_serve.engine.stats import EngineStats
-from tlt_serve.engine.weight_sync import TensorSpec, WeightSyncGroup
-from tlt_serve.models.loader import (
-    WeightError,
-    build_model,
-    checkpoint_names,
-    load_weights,
-    served_tensors,
-)
+from tlt_serve.models.loader import build_model
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
 from tlt_serve.sampling_params import ParamError, SamplingParams
-from tlt_serve.speculative.checkpoint import load_drafter
-from tlt_serve.speculative.decoder import build_spec_decoder
 
 log = logging.getLogger("tlt_serve.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
-class UpdateResult:
-    ok: bool
-    message: str
-    weight_version: str
-
-
-@dataclass(frozen=True)
-class DrafterUpdate:
-    ok: bool
-    message: str
-    drafter_version: int | None  # serving after the call
-
-
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, speculation: SpeculationBuilder = plain_decoding
+    ) -> None:
+        """Loads the model and builds the loop's parts; ``speculation`` builds what decides
+        and verifies drafts (``speculative.decoder.build_spec_decoder``)."""
         config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -74,11 +55,8 @@ class Engine:
             self.model.cfg, config.cache.max_num_seqs, mc.max_model_len, DTYPES[mc.dtype], mc.device
         )
         rows = config.cache.max_num_seqs
-        self.spec = build_spec_decoder(
-            config.spec, self.model, rows, mc.max_model_len, seed=config.seed
-        )
+        self.spec = speculation(config.spec, self.model, rows, mc.max_model_len, config.seed)
         self.capture = CaptureBuffer(config.capture, seed=config.seed)
-        self.drafter_path = config.spec.drafter if self.spec.drafter is not None else None
         self.runner = ModelRunner(self.model, self.kv, mc.device, self.spec.feature_layers)
         self.scheduler = Scheduler(
             num_rows=rows,
@@ -90,7 +68,6 @@ class Engine:
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         self.weight_version = "0"
-        self.weight_sync: WeightSyncGroup | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -200,116 +177,19 @@ class Engine:
         self.stats.on_step(batch, emitted, outputs, seconds)
         return outputs
 
-    # ---- drafter ---------------------------------------------------------------------------
-    def update_drafter(self, path: str, version: int | None = None) -> DrafterUpdate:
-        """Load a drafter checkpoint and serve it from the next step (call between steps).
-
-        It is validated completely (fits the target, same feature layers) before anything
-        changes; on failure the serving drafter stays and the message says why. ``version``
-        overrides the checkpoint's own.
-        """
-        try:
-            new = load_drafter(path, self.model)
-            if version is not None:
-                new.spec = replace(new.spec, version=version)
-            self.spec.swap_drafter(new)
-        except ValueError as err:  # DrafterError included
-            return DrafterUpdate(False, str(err), self.spec.drafter_version)
-        self.drafter_path = path
-        log.info("drafter %s → version %d", path, new.spec.version)
-        return DrafterUpdate(True, f"serving drafter version {new.spec.version}", new.spec.version)
-
     # ---- weights ---------------------------------------------------------------------------
-    def update_weights(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], version: str | None = None
-    ) -> UpdateResult:
-        """Copy HF-named tensors into the target in place, all or nothing.
-
-        Call between steps. On success the version becomes ``version`` (or increments);
-        on failure nothing changed and the message says which tensor was wrong.
-        """
-        try:
-            n = load_weights(self.model, tensors)
-        except WeightError as err:
-            return UpdateResult(False, str(err), self.weight_version)
-        if n == 0:
-            return UpdateResult(False, "no weights in the update", self.weight_version)
-        self.weight_version = version if version is not None else next_version(self.weight_version)
+    def weights_replaced(self, version: str) -> None:
+        """The target's parameters were replaced in place (call between steps): outputs from
+        the next step on report ``version``, and the proposers hear of it (history written
+        under the old weights counts less). Updates: ``backends/native/updates.py``."""
+        self.weight_version = version
         self.spec.weights_changed()
-        log.info("weights updated (%d tensors) → version %s", n, self.weight_version)
-        return UpdateResult(True, f"updated {n} tensors", self.weight_version)
 
-    def export_weights(self, path: str) -> int:
-        """Write the served target weights to ``path`` (safetensors, HF names, served dtype):
-        a replica joining a fleet loads them to serve exactly what its peers serve."""
-        names = checkpoint_names(self.model_path)
-        tensors = served_tensors(self.model, names)
-        save_file(tensors, path, metadata={"weight_version": self.weight_version})
-        return len(tensors)
-
-    def set_weight_version(self, version: str) -> None:
-        """Relabel the current weights (``/update_weight_version``); weights are untouched."""
+    def relabel_weights(self, version: str) -> None:
+        """Report the current weights under ``version`` (``/update_weight_version``)."""
         if not version:
             raise ParamError("new_version", "must be a non-empty string")
         self.weight_version = version
-
-    def close_weight_sync(self) -> bool:
-        """Leave the trainer's weight-broadcast group; False when there was none."""
-        had, self.weight_sync = self.weight_sync is not None, None
-        return had
-
-    def init_weight_sync(
-        self,
-        master_address: str,
-        master_port: int,
-        rank: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float = 120.0,
-    ) -> UpdateResult:
-        """Join the trainer's weight-broadcast group (blocks until all ranks have joined or
-        ``timeout_s``). Touches nothing else: it may run on a worker thread while another
-        thread steps, as long as nothing else uses ``weight_sync`` meanwhile."""
-        try:
-            self.weight_sync = WeightSyncGroup(
-                master_address,
-                master_port,
-                rank,
-                world_size,
-                backend,
-                timeout_s=timeout_s,
-                device=self.config.model.device,
-            )
-        except (RuntimeError, ValueError) as err:  # rendezvous timeout, refused, bad args
-            return UpdateResult(
-                False, f"init_weights_update_group failed: {err}", self.weight_version
-            )
-        return UpdateResult(True, f"joined as rank {rank} of {world_size}", self.weight_version)
-
-    def update_weights_from_distributed(
-        self, specs: list[TensorSpec], version: str | None = None
-    ) -> UpdateResult:
-        """Receive the named tensors from the trainer (rank 0), then apply them all or none."""
-        received = self.receive_weights(specs)
-        if isinstance(received, UpdateResult):
-            return received
-        return self.update_weights(received, version)
-
-    def receive_weights(
-        self, specs: list[TensorSpec]
-    ) -> list[tuple[str, torch.Tensor]] | UpdateResult:
-        """The tensors rank 0 broadcasts (blocks until it has), or the failure. Touches no
-        weight: it may run on a worker thread while another thread steps."""
-        if self.weight_sync is None:
-            return UpdateResult(
-                False,
-                "no weight update group: call init_weights_update_group first",
-                self.weight_version,
-            )
-        try:
-            return self.weight_sync.receive(specs)
-        except (RuntimeError, ValueError) as err:
-            return UpdateResult(False, f"receiving weights failed: {err}", self.weight_version)
 
 
 def sample_rids(rid: str, n: int) -> list[str]:

@@ -9,7 +9,23 @@ from dataclasses import dataclass, field
 
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.engine.scheduler import Emitted, Sampled, ScheduledBatch
-from tlt_serve.speculative.policy import bucket_name, bucket_of
+
+# Upper bounds of batch-size buckets: 1, 2-4, 5-8, 9-16, 17-32, 33-64, 65+.
+BUCKETS = (1, 4, 8, 16, 32, 64)
+
+
+def bucket_of(batch_size: int) -> int:
+    """Index of the batch-size bucket ``batch_size`` falls in (0 .. len(BUCKETS))."""
+    return bisect.bisect_left(BUCKETS, batch_size)
+
+
+def bucket_name(index: int) -> str:
+    """A bucket's label, as /get_server_info and /metrics show it: "1", "2-4", ..., "65+"."""
+    lo = 1 if index == 0 else BUCKETS[index - 1] + 1
+    if index == len(BUCKETS):
+        return f"{lo}+"
+    return str(lo) if lo == BUCKETS[index] else f"{lo}-{BUCKETS[index]}"
+
 
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 RECENT_SPEC_STEPS = 256  # window of the recent accept length

@@ -82,9 +82,9 @@ def parse(argv: list[str]) -> RayFleetArgs:
     if "--train-drafter" in serve_flags:
         p.error("argument --train-drafter: a fleet trains one drafter for all replicas "
                 "(`tlt-train online --fleet URL`), not one per replica")
-    from tlt_serve.server.cli import parse_args
+    from tlt_serve.flags import parse as parse_serve_flags
 
-    parse_args(["serve", *serve_flags])  # the replicas' flags: exits 2 naming a bad one
+    parse_serve_flags([*serve_flags])  # the replicas' flags: exits 2 naming a bad one
     return RayFleetArgs(args.replicas, args.address, args.cpus_per_replica,
                         args.gpus_per_replica, args.one_per_node, args.host, args.port,
                         args.router_policy, args.log_level, tuple(serve_flags))

@@ -1,4 +1,4 @@
-"""HTTP front end over an engine running in its own process.
+"""The HTTP front end over an engine running in its own process.
 
 Processes and threads::
 
@@ -6,18 +6,16 @@ Processes and threads::
           ▲                                                              │ Pipe: list[ToEngine]
           └─ call_soon_threadsafe ◀── reader thread ◀── StepBatch/Reply ─┤ (one pickle per batch)
                                                                          ▼
-                                  engine process: drain messages → engine.step() → StepBatch
+                              engine process (tlt_serve/backends): messages → step → StepBatch
 
-Modules:
-  messages.py        typed IPC messages (AddRequest, Abort, AbortAll, Control, Shutdown;
-                     Ready, Failed, StepBatch, Reply, Fatal)
-  engine_proc.py     the engine process loop; control handlers (pause, stats, flush...)
-  engine_weights.py  weight-update control handlers (disk, uploaded file, gloo group)
-  bridge.py          EngineClient: starts the process, routes outputs to per-request streams
-  streams.py         per-request output streams on the event loop
-  protocol*.py       msgspec request/response bodies (SGLang-native, control, OpenAI)
-  inputs*.py         request bodies → (rid, prompt ids, SamplingParams), validated up front
-  results.py         submit/collect/merge helpers, client-disconnect handling
-  routes_*.py        FastAPI routes; app.py builds the app; cli.py is ``tlt-serve serve``
-  uploads.py         chunked safetensors uploads for /update_weights_from_tensor
+Where to look:
+  sglang/     the SGLang dialect: ``/generate`` (bodies, their validation, the route)
+  openai/     the OpenAI dialect: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``
+  control/    health, info, abort, pause, cache, tokenizer, ``/metrics``; weight updates and
+              versions; the drafter (hot-swap, training control, the trainer's feed)
+  common/     what every route shares: the bridge to the engine process (``bridge.py``,
+              ``streams.py``), a request's jobs (``jobs.py``), the error shape, app state,
+              middleware (keys, body size), OpenAPI, weight uploads, the co-located trainer
+  app.py      the app: every group's routes, the error shape, middleware
+  serve.py    ``tlt-serve serve``: the engine process, uvicorn, the trainer, router membership
 """

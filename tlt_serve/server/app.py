@@ -13,30 +13,29 @@ from fastapi import FastAPI
 import tlt_serve
 from tlt_serve.config import ServerConfig
 from tlt_serve.models.tokenizer import Tokenizer, load_tokenizer
-from tlt_serve.server.auth import install_auth
-from tlt_serve.server.bridge import EngineClient
-from tlt_serve.server.errors import install_error_handlers
-from tlt_serve.server.limits import install_body_limit
-from tlt_serve.server.openapi import install_openapi
-from tlt_serve.server.routes_control import control_routes
-from tlt_serve.server.routes_drafter import drafter_routes
-from tlt_serve.server.routes_generate import generate_routes
-from tlt_serve.server.routes_openai import openai_routes
-from tlt_serve.server.routes_weights import weight_routes
-from tlt_serve.server.state import ServerState
-from tlt_serve.server.uploads import TensorUploads
+from tlt_serve.server.common.bridge import Bridge
+from tlt_serve.server.common.errors import install_error_handlers
+from tlt_serve.server.common.middleware import install_auth, install_body_limit
+from tlt_serve.server.common.openapi import install_openapi
+from tlt_serve.server.common.state import ServerState
+from tlt_serve.server.common.uploads import TensorUploads
+from tlt_serve.server.control.drafter import drafter_routes
+from tlt_serve.server.control.routes import control_routes
+from tlt_serve.server.control.weights import weight_routes
+from tlt_serve.server.openai.routes import openai_routes
+from tlt_serve.server.sglang.routes import generate_routes
 
 
 def build_app(
-    config: ServerConfig, client: EngineClient, tokenizer: Tokenizer | None = None
+    config: ServerConfig, bridge: Bridge, tokenizer: Tokenizer | None = None
 ) -> FastAPI:
-    """The HTTP app over a started ``EngineClient`` (its ready info sizes the validation)."""
-    if client.info is None:
-        raise RuntimeError("build_app needs a started EngineClient (call client.start())")
-    info = client.info
+    """The HTTP app over a started ``Bridge`` (its ready info sizes the validation)."""
+    if bridge.info is None:
+        raise RuntimeError("build_app needs a started Bridge (call bridge.start())")
+    info = bridge.info
     state = ServerState(
         config=config,
-        client=client,
+        bridge=bridge,
         info=info,
         tokenizer=tokenizer or load_tokenizer(info.model_path),
         model_name=config.served_model_name or info.model,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt_serve.config import SpecConfig
+from tlt_serve.engine.draft_tree import DraftTree
 from tlt_serve.engine.features import Committed
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.engine.request import Request
@@ -34,7 +35,7 @@ from tlt_serve.speculative.policy import PLAIN, Strategy, StrategyBandit
 from tlt_serve.speculative.proposer import NgramDrafts, NoProposer, Proposer, TreeProposer
 from tlt_serve.speculative.suffix import Draft, SuffixConfig
 from tlt_serve.speculative.suffix_proposer import SuffixDrafts
-from tlt_serve.speculative.tree import DraftTree, verify_tree
+from tlt_serve.speculative.tree import verify_tree
 from tlt_serve.speculative.verify import ChainDrafts, verify_chain
 
 FREE = ("suffix", "ngram")  # model-free proposers, asked before the policy chooses

@@ -30,28 +30,13 @@ threshold; untried arms are explored before exploiting; the random stream is see
 
 from __future__ import annotations
 
-import bisect
 import random
 import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-# Upper bounds of batch-size buckets: 1, 2-4, 5-8, 9-16, 17-32, 33-64, 65+.
-BUCKETS = (1, 4, 8, 16, 32, 64)
-
-
-def bucket_of(batch_size: int) -> int:
-    """Index of the batch-size bucket ``batch_size`` falls in (0 .. len(BUCKETS))."""
-    return bisect.bisect_left(BUCKETS, batch_size)
-
-
-def bucket_name(index: int) -> str:
-    """A bucket's label, as /get_server_info and /metrics show it: "1", "2-4", ..., "65+"."""
-    lo = 1 if index == 0 else BUCKETS[index - 1] + 1
-    if index == len(BUCKETS):
-        return f"{lo}+"
-    return str(lo) if lo == BUCKETS[index] else f"{lo}-{BUCKETS[index]}"
+from tlt_serve.engine.stats import BUCKETS, bucket_name, bucket_of
 
 
 @dataclass(frozen=True, order=True)

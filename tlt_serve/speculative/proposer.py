@@ -20,9 +20,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from tlt_serve.engine.draft_tree import DraftTree
 from tlt_serve.engine.request import Request
 from tlt_serve.speculative.ngram import NgramConfig, NgramProposer
-from tlt_serve.speculative.tree import DraftTree
 
 
 class Proposer(Protocol):

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tlt_serve.engine.draft_tree import DraftTree
 from tlt_serve.engine.request import Request
 from tlt_serve.speculative.suffix import Draft, Match, SuffixConfig, SuffixStore, draft_tree
-from tlt_serve.speculative.tree import DraftTree
 
 
 @dataclass

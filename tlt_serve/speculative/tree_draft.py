@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt_serve.engine.draft_tree import DraftTree
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.request import Request
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
 from tlt_serve.speculative.drafter import DrafterModel
-from tlt_serve.speculative.tree import DraftTree
 
 
 @dataclass(frozen=True)

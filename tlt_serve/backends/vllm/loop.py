@@ -5,12 +5,12 @@ to an asyncio queue in this process; this loop is an asyncio program around it:
 
 - a reader thread hands the front end's message lists to the loop;
 - ``AddRequest``: each of the n samples becomes one vLLM request (``convert.py``) whose DELTA
-  outputs a task turns into ``StepOutput``s; they leave in one ``StepBatch`` per flush
-  (every ``FLUSH_S``, as the native loop sends one per step);
+  outputs a task turns into ``StepOutput``s; they leave through the outbox in one
+  ``StepBatch`` per flush (every ``FLUSH_S``, as the native loop sends one per step);
 - ``Abort`` / ``AbortAll``: vLLM ends the streams at once with finish ``abort`` (the partial
   tokens were already streamed);
-- ``Control``: each runs as a task (requests keep flowing meanwhile); those that change
-  weights take turns on one lock; a control's outputs (pause abort) go out before its reply;
+- ``Control``: each runs as a task (``controls.HANDLERS``; requests keep flowing meanwhile);
+  a control's outputs (pause abort) go out before its reply;
 - the engine core dying ends every request stream with ``EngineDeadError``: the loop reports
   ``Fatal`` and exits, and the front end answers 503 from then on.
 """
@@ -18,67 +18,41 @@ to an asyncio queue in this process; this loop is an asyncio program around it:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
-import time
-from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tlt_serve.backends.common.outbox import Outbox
+from tlt_serve.backends.vllm.controls import HANDLERS, VllmControls
 from tlt_serve.backends.vllm.convert import SampleState, check_params, step_output, vllm_params
-from tlt_serve.backends.vllm.stats import LoopStats
+from tlt_serve.backends.vllm.samples import VllmCapture
+from tlt_serve.backends.vllm.stat_logger import LoopStats
+from tlt_serve.backends.vllm.state import VllmState
+from tlt_serve.contract.controls import Control
+from tlt_serve.contract.messages import Abort, AbortAll, AddRequest, Shutdown
 from tlt_serve.engine.engine import sample_rids
-from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.sampling_params import ParamError
-from tlt_serve.server.engine_weights import ControlError
-from tlt_serve.server.messages import (
-    Abort,
-    AbortAll,
-    AddRequest,
-    Control,
-    EngineInfo,
-    Fatal,
-    Rejected,
-    Reply,
-    Shutdown,
-    StepBatch,
-)
-
-if TYPE_CHECKING:
-    from tlt_serve.backends.vllm.capture import VllmCapture
 
 log = logging.getLogger("tlt_serve.vllm")
-RPC_TIMEOUT_S = 600.0  # vLLM does not fail a pending collective_rpc when its engine dies
 FLUSH_S = 0.005  # outputs gathered this long go out as one StepBatch
-STATS_EVERY_S = 0.5
-
-Handler = Callable[..., Awaitable[dict[str, Any]]]
+DEAD_CHECK_S = 0.5  # how often an idle loop asks whether vLLM's engine core is alive
 
 
 class VllmLoop:
-    def __init__(
-        self, llm: Any, conn: Any, info: EngineInfo, stats: LoopStats, scratch: Path
-    ) -> None:
+    def __init__(self, llm: Any, conn: Any, state: VllmState, stats: LoopStats) -> None:
         self.llm = llm
         self.conn = conn
-        self.scratch = scratch  # files exchanged with vLLM's worker
-        self.capture: VllmCapture | None = None
-        self.info = info
+        self.state = state
         self.stats = stats
-        self.version = info.weight_version
-        self.drafter_version: int | None = None  # the drafter serving (speculating with one)
-        self.paused = False
+        # Set by the process before run(): they need the loop (its abort, its death).
+        self.capture: VllmCapture | None = None
+        self.controls: VllmControls | None = None
+        self.outbox = Outbox(conn, lambda: stats.snapshot(state, self.capture),
+                             lambda: state.version)
         self.stopping = False
         self.dead: str | None = None
         self.samples: dict[str, list[str]] = {}  # front-end rid → its live sample rids
         self.tasks: dict[str, asyncio.Task[None]] = {}  # sample rid → its stream task
-        self.outputs: list[StepOutput] = []
-        self.accepted: list[str] = []
-        self.rejected: list[Rejected] = []
-        self.last_stats = 0.0
-        self.weights_lock = asyncio.Lock()  # one weight / drafter change at a time
-        self.controls: dict[str, Handler] = {}  # filled by the control modules
         self.inbox: asyncio.Queue[list[Any] | None] = asyncio.Queue()
 
     # ---- the loop ----------------------------------------------------------------------
@@ -87,7 +61,7 @@ class VllmLoop:
         threading.Thread(target=self._read, args=(loop,), name="vllm-reader", daemon=True).start()
         flusher = asyncio.create_task(self._flush_forever())
         try:
-            while not self.stopping and self.dead is None:
+            while not (self.stopping or self.outbox.closed) and self.dead is None:
                 msgs = await self.inbox.get()
                 if msgs is None:  # the front end went away
                     break
@@ -97,7 +71,7 @@ class VllmLoop:
             await self.abort_every_sample()
             await self._drain_tasks(5.0)
             flusher.cancel()
-            self._flush(force_stats=True)
+            self.outbox.flush(force_stats=True)
 
     def _read(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
@@ -108,28 +82,17 @@ class VllmLoop:
             loop.call_soon_threadsafe(self.inbox.put_nowait, None)
 
     async def _flush_forever(self) -> None:
-        checked = time.monotonic()
+        loop_time = asyncio.get_running_loop().time
+        last = loop_time()
         while True:
             await asyncio.sleep(FLUSH_S)
-            self._flush()
-            if time.monotonic() - checked > STATS_EVERY_S:  # idle, vLLM tells nobody
-                checked = time.monotonic()
+            self.outbox.flush()
+            if self.outbox.closed:
+                self.inbox.put_nowait(None)
+            if loop_time() - last > DEAD_CHECK_S:  # idle, vLLM tells nobody
+                last = loop_time()
                 if self.llm.errored:
-                    self._die("vLLM engine core died")
-
-    def _flush(self, force_stats: bool = False) -> None:
-        now = time.monotonic()
-        snapshot = None
-        if force_stats or now - self.last_stats >= STATS_EVERY_S:
-            snapshot, self.last_stats = self.stats.snapshot(self), now
-        if not (self.outputs or self.accepted or self.rejected or snapshot):
-            return
-        batch = StepBatch(self.outputs, self.accepted, self.rejected, snapshot)
-        self.outputs, self.accepted, self.rejected = [], [], []
-        try:
-            self.conn.send(batch)
-        except OSError:
-            self.stopping = True
+                    self.die("vLLM engine core died")
 
     # ---- messages ----------------------------------------------------------------------
     async def _apply(self, msg: Any) -> None:
@@ -145,21 +108,21 @@ class VllmLoop:
             self.stopping = True
 
     async def _add(self, msg: AddRequest) -> None:
-        params = msg.params
+        params, info, outbox = msg.params, self.state.info, self.outbox
         try:
-            check_params(params, speculating=self.info.spec.enabled)
-            live = sum(len(s) for s in self.samples.values())
-            limit = self.info.max_num_seqs + self.info.max_waiting
-            if live + params.n > limit:
-                raise OverflowError(f"queue full: {live} sequences in flight, limit {limit}")
+            check_params(params, speculating=info.spec.enabled)
+            limit = info.max_num_seqs + info.max_waiting
+            if self.state.live + params.n > limit:
+                raise OverflowError(f"queue full: {self.state.live} sequences in flight, "
+                                    f"limit {limit}")
         except OverflowError as err:
-            self.rejected.append(Rejected(msg.rid, "overflow", None, str(err)))
+            outbox.reject(msg.rid, "overflow", None, str(err))
             return
         except ParamError as err:
-            self.rejected.append(Rejected(msg.rid, "param", err.field, str(err)))
+            outbox.reject(msg.rid, "param", err.field, str(err))
             return
         # As natively, an output past the context stops there with finish "length".
-        max_tokens = min(params.max_new_tokens, self.info.max_model_len - len(msg.prompt_ids))
+        max_tokens = min(params.max_new_tokens, info.max_model_len - len(msg.prompt_ids))
         subs = sample_rids(msg.rid, params.n)
         collectors = []
         try:
@@ -168,11 +131,12 @@ class VllmLoop:
                     sub, self._prompt(msg.prompt_ids), vllm_params(params, i, max_tokens)))
         except Exception as err:  # vLLM refused it: nothing of it may stay queued
             await self._abort(subs[: len(collectors)])
-            self.rejected.append(Rejected(msg.rid, "param", None, f"{type(err).__name__}: {err}"))
+            outbox.reject(msg.rid, "param", None, f"{type(err).__name__}: {err}")
             return
         self.samples[msg.rid] = list(subs)
+        self.state.live += len(subs)
         self.stats.on_add(len(subs))
-        self.accepted.append(msg.rid)
+        outbox.accept(msg.rid)
         for sub, queue in zip(subs, collectors, strict=True):
             if self.capture is not None:
                 self.capture.on_add(sub, queue.request_id, msg.prompt_ids)
@@ -185,30 +149,32 @@ class VllmLoop:
 
         # The weight version salts the prefix cache: a prompt never reuses KV computed under
         # other weights.
-        return tokens_input(ids, cache_salt=f"w:{self.version}")
+        return tokens_input(ids, cache_salt=f"w:{self.state.version}")
 
-    async def _stream(self, rid: str, state: SampleState, queue: Any, want_top: int) -> None:
+    async def _stream(self, rid: str, sample: SampleState, queue: Any, want_top: int) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        state = self.state
         try:
             finished = False
             while not finished:
                 out = queue.get_nowait() or await queue.get()
                 finished = out.finished
-                state.saw_drafter(self.drafter_version)
+                sample.saw_drafter(state.drafter_version)
                 for completion in out.outputs:
-                    step = step_output(state, out, completion, self.version, want_top)
-                    self.outputs.append(step)
+                    step = step_output(sample, out, completion, state.version, want_top)
+                    self.outbox.outputs.append(step)
                     if self.capture is not None:
-                        self.capture.on_output(state.rid, step.token_ids, step.finish)
+                        self.capture.on_output(sample.rid, step.token_ids, step.finish)
         except EngineDeadError as err:
-            self._die(f"vLLM engine core died: {err}")
+            self.die(f"vLLM engine core died: {err}")
         finally:
             queue.close()
-            self.tasks.pop(state.rid, None)
+            self.tasks.pop(sample.rid, None)
+            state.live -= 1
             live = self.samples.get(rid)
             if live is not None:
-                live.remove(state.rid)
+                live.remove(sample.rid)
                 if not live:
                     del self.samples[rid]
             if not self.samples:
@@ -225,47 +191,18 @@ class VllmLoop:
         if self.tasks:
             await asyncio.wait(list(self.tasks.values()), timeout=timeout)
 
-    def _die(self, reason: str) -> None:
+    def die(self, reason: str) -> None:
         if self.dead is None:
             self.dead = reason
             log.error("%s", reason)
-            with contextlib.suppress(OSError):
-                self.conn.send(Fatal(reason))
+            self.outbox.fatal(reason)
             self.inbox.put_nowait(None)
-
-    async def rpc(self, method: str, **kwargs: Any) -> Any:
-        """Call our worker extension's ``method`` (``worker.py``) between two engine steps;
-        a failure there is a ControlError (the engine goes on)."""
-        try:
-            results = await asyncio.wait_for(
-                self.llm.collective_rpc(method, kwargs=kwargs), RPC_TIMEOUT_S)
-        except asyncio.TimeoutError as err:
-            raise ControlError(f"{method}: no answer from vLLM's worker in "
-                               f"{RPC_TIMEOUT_S:.0f} s") from err
-        except Exception as err:
-            if self.llm.errored:
-                self._die(f"vLLM engine core died: {err}")
-            raise ControlError(f"{method} failed in vLLM's worker: {err}") from err
-        return results[0]
 
     # ---- controls ----------------------------------------------------------------------
     async def _control(self, msg: Control) -> None:
-        handler = self.controls.get(msg.name)
-        try:
-            if handler is None:
-                raise ControlError(f"unknown control {msg.name!r}")
-            payload = await handler(**msg.kwargs)
-        except (ControlError, ParamError, TypeError) as err:
-            reply = Reply(msg.call_id, False, {"message": str(err),
-                                               "weight_version": self.version})
-        except Exception as err:  # a failed control must not take the engine down
-            log.exception("control %s failed", msg.name)
-            reply = Reply(msg.call_id, False, {"message": f"{type(err).__name__}: {err}",
-                                               "weight_version": self.version})
-        else:
-            reply = Reply(msg.call_id, True, payload)
-        self._flush(force_stats=True)
-        try:
-            self.conn.send(reply)
-        except OSError:
-            self.stopping = True
+        controls = self.controls
+        assert controls is not None
+        op = msg.op
+        result = await self.outbox.outcome_async(
+            type(op).__name__, lambda: HANDLERS[type(op)](controls, op))
+        self.outbox.reply(msg.call_id, result)

@@ -18,15 +18,22 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from tlt_serve.engine.engine import next_version
-from tlt_serve.engine.weight_sync import TensorSpec, WeightSyncGroup
-from tlt_serve.server.engine_weights import DEFAULT_GROUP, ControlError
-
-if TYPE_CHECKING:
-    from tlt_serve.backends.vllm.loop import VllmLoop
+from tlt_serve.backends.vllm.state import VllmState, WorkerRpc
+from tlt_serve.contract.controls import (
+    DEFAULT_GROUP,
+    ControlError,
+    DestroyWeightsUpdateGroup,
+    InitWeightsUpdateGroup,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromFile,
+    WeightsUpdated,
+    next_version,
+)
+from tlt_serve.weight_sync import TensorSpec, WeightSyncGroup
 
 FLOAT_DTYPES = {"F32", "BF16", "F16"}
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -82,9 +89,14 @@ def check_update(
 
 
 class VllmWeights:
-    def __init__(self, loop: VllmLoop, model_dir: Path, scratch: Path) -> None:
-        self.loop = loop
-        self.scratch = scratch
+    def __init__(self, state: VllmState, rpc: WorkerRpc, lock: asyncio.Lock,
+                 abort_all: Callable[[], Awaitable[None]], scratch: Path) -> None:
+        self.state = state
+        self.rpc = rpc
+        self.lock = lock  # one weight / drafter change at a time
+        self.abort_all = abort_all
+        self.scratch = scratch  # files exchanged with vLLM's worker
+        model_dir = Path(state.info.model_path)
         self.served: dict[str, tuple[str, tuple[int, ...]]] = {}
         for f in safetensors_files(model_dir):
             self.served.update(header(f))
@@ -94,80 +106,61 @@ class VllmWeights:
         self.group_name = DEFAULT_GROUP
         self.syncing = False  # a rendezvous or a transfer is in progress
 
-    def handlers(self) -> dict[str, Any]:
-        return {
-            "update_weights_from_disk": self.from_disk,
-            "update_weights_from_file": self.from_file,
-            "init_weights_update_group": self.init_group,
-            "update_weights_from_distributed": self.from_group,
-            "destroy_weights_update_group": self.destroy_group,
-            "export_weights": self.export,
-        }
-
-    async def export(self, path: str) -> dict[str, Any]:
-        raise ControlError("export_weights: the vllm backend does not export its weights; "
-                           "update a joining replica from disk instead")
-
-    async def from_disk(
-        self, model_path: str, weight_version: str | None = None, abort_all: bool = False
-    ) -> dict[str, Any]:
+    async def from_disk(self, op: UpdateWeightsFromDisk) -> WeightsUpdated:
         try:
-            files = safetensors_files(Path(model_path))
+            files = safetensors_files(Path(op.model_path))
             update = {k: v for f in files for k, v in header(f).items()}
         except (OSError, ValueError, KeyError, struct.error) as err:
-            raise ControlError(f"model_path: cannot read {model_path!r}: {err}") from err
-        return await self._apply(files, update, weight_version, abort_all)
+            raise ControlError(f"model_path: cannot read {op.model_path!r}: {err}",
+                               "model_path") from err
+        return await self._apply(files, update, op.weight_version, op.abort_all)
 
-    async def from_file(self, path: str, weight_version: str | None = None) -> dict[str, Any]:
+    async def from_file(self, op: UpdateWeightsFromFile) -> WeightsUpdated:
         try:
-            update = header(Path(path))
+            update = header(Path(op.path))
         except (OSError, ValueError, KeyError, struct.error) as err:
-            raise ControlError(f"body: not a valid safetensors payload: {err}") from err
-        return await self._apply([Path(path)], update, weight_version, False)
+            raise ControlError(f"body: not a valid safetensors payload: {err}", "body") from err
+        return await self._apply([Path(op.path)], update, op.weight_version, False)
 
     async def _apply(
         self, files: list[Path], update: dict[str, tuple[str, tuple[int, ...]]],
         weight_version: str | None, abort_all: bool,
-    ) -> dict[str, Any]:
+    ) -> WeightsUpdated:
         check_update(update, self.served, self.tied_head)
         if abort_all:
-            await self.loop.abort_every_sample()
-        async with self.loop.weights_lock:
-            await self.loop.rpc("tlt_load_target", files=[str(f) for f in files])
-            self.loop.version = (weight_version if weight_version is not None
-                                 else next_version(self.loop.version))
-        return {"message": f"updated {len(update)} tensors", "weight_version": self.loop.version}
+            await self.abort_all()
+        state = self.state
+        async with self.lock:
+            await self.rpc("tlt_load_target", files=[str(f) for f in files])
+            state.version = (weight_version if weight_version is not None
+                             else next_version(state.version))
+        return WeightsUpdated(f"updated {len(update)} tensors", state.version)
 
-    async def init_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        backend: str = "gloo", group_name: str = DEFAULT_GROUP, timeout_s: float = 120.0,
-    ) -> dict[str, Any]:
+    async def init_group(self, op: InitWeightsUpdateGroup) -> WeightsUpdated:
         if self.syncing:
             raise ControlError("busy: a weight-sync call is still in progress")
         self.syncing = True
         try:
             self.sync = await asyncio.to_thread(
-                WeightSyncGroup, master_address, master_port, rank_offset, world_size,
-                backend, timeout_s)
+                WeightSyncGroup, op.master_address, op.master_port, op.rank_offset,
+                op.world_size, op.backend, op.timeout_s)
         except (RuntimeError, ValueError) as err:
             raise ControlError(f"init_weights_update_group failed: {err}") from err
         finally:
             self.syncing = False
-        self.group_name = group_name
-        return {"message": f"joined {group_name}", "weight_version": self.loop.version}
+        self.group_name = op.group_name
+        return WeightsUpdated(f"joined {op.group_name}", self.state.version)
 
-    async def from_group(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-        group_name: str = DEFAULT_GROUP, weight_version: str | None = None,
-        abort_all: bool = False,
-    ) -> dict[str, Any]:
+    async def from_group(self, op: UpdateWeightsFromDistributed) -> WeightsUpdated:
         if self.sync is None:
             raise ControlError("no weight update group: call init_weights_update_group first")
-        if group_name != self.group_name:
-            raise ControlError(f"group_name: the group is {self.group_name!r}, not {group_name!r}")
+        if op.group_name != self.group_name:
+            raise ControlError(f"group_name: the group is {self.group_name!r}, not "
+                               f"{op.group_name!r}", "group_name")
         if self.syncing:
             raise ControlError("busy: a weight-sync call is still in progress")
-        specs = [TensorSpec(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        specs = [TensorSpec(n, d, tuple(s))
+                 for n, d, s in zip(op.names, op.dtypes, op.shapes, strict=True)]
         self.syncing = True
         try:  # rank 0 broadcasts whatever we think of the specs: receive, then judge
             received = await asyncio.to_thread(self.sync.receive, specs)
@@ -182,13 +175,12 @@ class VllmWeights:
 
         await asyncio.to_thread(save_file, {n: t.contiguous() for n, t in received}, str(path))
         try:
-            return await self._apply([path], update, weight_version, abort_all)
+            return await self._apply([path], update, op.weight_version, op.abort_all)
         finally:
             path.unlink(missing_ok=True)
 
-    async def destroy_group(self, group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
-        if self.sync is None or group_name != self.group_name:
-            raise ControlError(f"group_name: no group {group_name!r}")
+    async def destroy_group(self, op: DestroyWeightsUpdateGroup) -> WeightsUpdated:
+        if self.sync is None or op.group_name != self.group_name:
+            raise ControlError(f"group_name: no group {op.group_name!r}", "group_name")
         self.sync = None
-        return {"message": f"left {group_name}", "weight_version": self.loop.version}
-
+        return WeightsUpdated(f"left {op.group_name}", self.state.version)

@@ -1,0 +1,128 @@
+"""Entry point of the vLLM engine process (``--backend vllm``).
+
+It builds ``AsyncLLM`` (which starts vLLM's engine-core and worker processes, so this
+process is not a daemon: ``server/bridge.py``), reports ``Ready`` with the same
+``EngineInfo`` the native engine gives, and runs ``VllmLoop`` until told to stop. vLLM's
+children are stopped with it; a start-up failure (a model or drafter vLLM cannot load)
+reaches the front end as ``Failed`` naming why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+from tlt_serve.backends.vllm.args import VllmSpec, engine_args, resolve_spec, set_cpu_env
+from tlt_serve.config import EngineConfig
+from tlt_serve.contract.messages import Failed, Fatal, Ready
+from tlt_serve.contract.reports import EngineInfo, SpecInfo
+from tlt_serve.speculative.checkpoint import read_drafter_config
+
+log = logging.getLogger("tlt_serve.vllm")
+
+
+def run_vllm(config: EngineConfig, conn: Any, log_level: str = "info") -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides how we stop
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    scratch = Path(tempfile.mkdtemp(prefix="tlt-vllm-"))
+    llm = None
+    try:
+        try:
+            llm, info, spec, stats = _start(config, scratch)
+        except Exception as err:  # any start-up failure must reach the front end
+            log.exception("vLLM engine start-up failed")
+            conn.send(Failed(f"backend vllm: {type(err).__name__}: {err}"))
+            return
+        conn.send(Ready(info))
+        asyncio.run(_serve(llm, conn, info, spec, stats, scratch, config))
+    except Exception:
+        log.exception("vLLM engine loop crashed")
+        with contextlib.suppress(OSError):
+            conn.send(Fatal(traceback.format_exc()))
+        raise
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _start(config: EngineConfig, scratch: Path) -> tuple[Any, EngineInfo, VllmSpec, Any]:
+    from tlt_serve.backends.vllm.stat_logger import LoopStats
+    from tlt_serve.models.provision import resolve_model_path
+    from tlt_serve.models.tokenizer import load_tokenizer
+
+    model_dir = resolve_model_path(config.model.model)
+    import torch
+
+    # vLLM's V1 model runner on every platform: our worker extension reaches the drafter
+    # where it keeps it (the V2 runner, CUDA's default, keeps it elsewhere).
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    if not torch.cuda.is_available():
+        set_cpu_env()
+    spec = resolve_spec(config.spec, scratch)
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    stats = LoopStats()
+    llm = AsyncLLM.from_engine_args(
+        engine_args(model_dir, config, spec), stat_loggers=[stats.logger_factory()])
+    hf = json.loads((model_dir / "config.json").read_text())
+    k = config.spec.num_draft_tokens if spec.proposer != "none" else 0
+    info = EngineInfo(
+        model=config.model.model,
+        model_path=str(model_dir),
+        dtype=config.model.dtype,
+        vocab_size=int(hf["vocab_size"]),
+        max_model_len=int(llm.model_config.max_model_len),
+        max_num_seqs=config.cache.max_num_seqs,
+        max_waiting=config.scheduler.max_waiting,
+        eos_ids=tuple(sorted(load_tokenizer(model_dir).eos_ids)),
+        weight_version="0",
+        spec=SpecInfo(
+            method=config.spec.method,
+            proposer=spec.proposer,
+            num_draft_tokens=k,
+            # vLLM's suffix decoding speculates at every batch size (resolve_spec)
+            max_batch=(config.cache.max_num_seqs if spec.proposer == "suffix"
+                       else config.spec.max_batch) if k else 0,
+            drafter=config.spec.drafter if spec.proposer == "drafter" else None,
+            strategies=(f"{spec.proposer}:{k}",) if k else (),
+        ),
+    )
+    return llm, info, spec, stats
+
+
+async def _serve(
+    llm: Any, conn: Any, info: EngineInfo, spec: VllmSpec, stats: Any, scratch: Path,
+    config: EngineConfig,
+) -> None:
+    from tlt_serve.backends.vllm.controls import VllmControls
+    from tlt_serve.backends.vllm.drafter_swap import VllmDrafter
+    from tlt_serve.backends.vllm.loop import VllmLoop
+    from tlt_serve.backends.vllm.samples import VllmCapture
+    from tlt_serve.backends.vllm.state import VllmState, WorkerRpc
+    from tlt_serve.backends.vllm.weights import VllmWeights
+
+    state = VllmState(info, info.weight_version)
+    if spec.proposer == "drafter":
+        state.drafter_version = read_drafter_config(config.spec.drafter or "")[2].version
+    loop = VllmLoop(llm, conn, state, stats)
+    rpc = WorkerRpc(llm, loop.die)
+    if config.capture.enabled:
+        loop.capture = VllmCapture(state, rpc, scratch, config.capture, config.seed)
+        await loop.capture.start()
+    lock = asyncio.Lock()  # one weight / drafter change at a time
+    weights = VllmWeights(state, rpc, lock, loop.abort_every_sample, scratch)
+    drafter = VllmDrafter(state, rpc, lock, spec, scratch, loop.capture, stats,
+                          config.spec.drafter)
+    loop.controls = VllmControls(llm, state, stats, loop.capture, weights, drafter,
+                                 loop.abort_every_sample)
+    await loop.run()

@@ -1,0 +1,170 @@
+"""The flags of ``tlt-serve serve``: one ServerConfig from the command line (``tlt-serve
+fleet`` and the Ray launcher check their replicas' flags with it too)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from tlt_serve.backends import VLLM_INSTALL, missing
+from tlt_serve.config import (
+    BACKENDS,
+    SPEC_METHODS,
+    CacheConfig,
+    CaptureConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SpecConfig,
+    TrainingConfig,
+)
+from tlt_serve.models.provision import DEFAULT_MODEL
+
+
+def parse(argv: list[str]) -> ServerConfig:
+    """``tlt-serve serve``'s flags (without the subcommand) → a validated ServerConfig; a bad
+    flag exits 2 naming it, as argparse does."""
+    serve = argparse.ArgumentParser(prog="tlt-serve serve",
+                                    description="serve a model over HTTP (SGLang-native + "
+                                    "OpenAI APIs)")
+    serve.add_argument("--model", default=DEFAULT_MODEL,
+                       help="named default, HF directory, .gguf file or hub id")
+    serve.add_argument("--backend", choices=BACKENDS, default=EngineConfig.backend,
+                       help="the engine: native (the own engine, CPU) or vllm (vLLM's engine: "
+                       f"GPU, or its CPU build; install it with {VLLM_INSTALL})")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    serve.add_argument("--api-key", default=os.environ.get("TLT_SERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $TLT_SERVE_API_KEY, "
+                       "which keeps the key out of the process list)")
+    serve.add_argument("--admin-key", default=os.environ.get("TLT_SERVE_ADMIN_KEY"),
+                       help="a separate key for the admin routes (weight updates, pause, flush, "
+                       "abort, drafter control); the API key then cannot call them "
+                       "(default: $TLT_SERVE_ADMIN_KEY)")
+    serve.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                       help="abort a request still queued or running after S seconds (it "
+                       "returns its partial output, finish_reason abort)")
+    serve.add_argument("--max-body-mb", type=float, default=ServerConfig.max_body_bytes / 2**20,
+                       metavar="MB", help="larger JSON request bodies get 413")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
+    serve.add_argument("--max-num-seqs", type=int, default=CacheConfig.max_num_seqs)
+    serve.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting,
+                       metavar="N", help="queued requests beyond which new ones get 503 with "
+                       "Retry-After")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--speculative", choices=SPEC_METHODS, default=SpecConfig.method,
+                       help="speculative decoding: n-gram drafts, suffix drafts from rollout "
+                       "history (the prompt's earlier and sibling samples), a drafter "
+                       "checkpoint, or auto (suffix and, with --drafter, the drafter, chosen "
+                       "per step)")
+    serve.add_argument("--drafter", default=None, metavar="PATH",
+                       help="drafter checkpoint directory (--speculative drafter / auto)")
+    serve.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
+                       metavar="N", help="most tokens drafted per request per step")
+    serve.add_argument("--spec-max-batch", type=int, default=SpecConfig.max_batch, metavar="N",
+                       help="speculate while at most N sequences run")
+    serve.add_argument("--tree-topk", type=int, default=SpecConfig.tree_topk, metavar="K",
+                       help="> 1: tree drafting (drafter or suffix), top-K children per "
+                       "expanded node")
+    serve.add_argument("--verify-budget", type=int, default=SpecConfig.verify_budget,
+                       metavar="N", help="tree nodes verified per request (default: 2x depth)")
+    serve.add_argument("--min-draft-confidence", type=float, metavar="P",
+                       default=SpecConfig.min_draft_confidence,
+                       help="a drafter chain stops where the product of its drafts' "
+                       "probabilities falls below P (0: always full depth)")
+    serve.add_argument("--suffix-min-prob", type=float, metavar="P",
+                       default=SpecConfig.suffix_min_prob,
+                       help="a suffix draft stops where its estimated acceptance (share of "
+                       "earlier occurrences that continued this way) falls below P per "
+                       "request of the step (P x batch size)")
+    serve.add_argument("--capture", action="store_true",
+                       help="keep drafter training samples (target features + tokens of "
+                       "finished sequences) in a bounded buffer (GET /drafter/samples)")
+    serve.add_argument("--capture-max-mb", type=int, default=CaptureConfig.max_bytes >> 20,
+                       metavar="MB", help="capture buffer cap; the oldest samples go first")
+    serve.add_argument("--capture-sample-rate", type=float, default=CaptureConfig.sample_rate,
+                       metavar="P", help="fraction of finished sequences captured")
+    serve.add_argument("--train-drafter", action="store_true",
+                       help="run the co-located drafter trainer (implies --capture): it trains "
+                       "in idle gaps and hot-swaps improved drafters into this server")
+    serve.add_argument("--train-max-running", type=int, default=TrainingConfig.max_running,
+                       metavar="N", help="the trainer may run while at most N requests are "
+                       "in flight")
+    serve.add_argument("--trainer-threads", type=int, default=None, metavar="N",
+                       help="torch threads of the trainer process: its CPU budget beside the "
+                       "engine (default: torch's)")
+    serve.add_argument("--trainer-nice", type=int, default=TrainingConfig.nice, metavar="N",
+                       help="CPU priority of the trainer process (0-19; 19: it runs only on "
+                       "cycles nothing else on the machine wants)")
+    serve.add_argument("--trainer-state-dir", default=None, metavar="DIR",
+                       help="trainer checkpoints (default: under the cache directory)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--register", default=None, metavar="ROUTER_URL",
+                       help="join this sglang-router once serving, leave it at shutdown")
+    serve.add_argument("--advertise-url", default=None, metavar="URL",
+                       help="the URL the router reaches this server at "
+                       "(default http://HOST:PORT)")
+    args = serve.parse_args(argv)
+    config = ServerConfig(
+        engine=EngineConfig(
+            model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+            cache=CacheConfig(max_num_seqs=args.max_num_seqs),
+            scheduler=SchedulerConfig(max_waiting=args.max_waiting),
+            spec=SpecConfig(
+                method=args.speculative,
+                drafter=args.drafter,
+                num_draft_tokens=args.num_draft_tokens,
+                max_batch=args.spec_max_batch,
+                tree_topk=args.tree_topk,
+                verify_budget=args.verify_budget,
+                min_draft_confidence=args.min_draft_confidence,
+                suffix_min_prob=args.suffix_min_prob,
+            ),
+            capture=CaptureConfig(
+                enabled=args.capture or args.train_drafter,
+                max_bytes=args.capture_max_mb << 20,
+                sample_rate=args.capture_sample_rate,
+            ),
+            seed=args.seed,
+            backend=args.backend,
+        ),
+        training=TrainingConfig(
+            enabled=args.train_drafter,
+            max_running=args.train_max_running,
+            state_dir=args.trainer_state_dir,
+            threads=args.trainer_threads,
+            nice=args.trainer_nice,
+        ),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        admin_key=args.admin_key,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+        register=args.register,
+        advertise_url=args.advertise_url,
+    )
+    try:
+        config.validate()
+    except ConfigError as err:
+        serve.error(_with_flag(serve, str(err)))  # prints usage, exits 2
+    if (why := missing(args.backend)) is not None:
+        serve.exit(2, f"tlt-serve: {why}\n")  # one line, no usage: the flag was right
+    return config
+
+
+def _with_flag(parser: argparse.ArgumentParser, message: str) -> str:
+    """Prefix a ConfigError ("field: ...") with the flag that sets the field, as argparse
+    words its own errors: "argument --num-draft-tokens: num_draft_tokens: must be ..."."""
+    field_name = message.split(":", 1)[0]
+    flag = "--" + field_name.replace("_", "-")
+    if flag in parser._option_string_actions:
+        return f"argument {flag}: {message}"
+    return message

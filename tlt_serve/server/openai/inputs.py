@@ -1,0 +1,143 @@
+"""OpenAI request bodies → engine jobs (prompts, SamplingParams), validated in the front end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tlt_serve.contract.reports import EngineInfo
+from tlt_serve.models.tokenizer import Tokenizer
+from tlt_serve.sampling_params import ParamError, SamplingParams
+from tlt_serve.server.common.jobs import Job, check_prompt, make_params, new_rid, require_defaults
+from tlt_serve.server.openai.protocol import (
+    CHAT_DEFAULT_ONLY,
+    COMPLETION_DEFAULT_ONLY,
+    ChatReq,
+    CommonReq,
+    CompletionReq,
+)
+
+MAX_LOGPROBS = 20
+
+
+def completion_jobs(req: CompletionReq, tok: Tokenizer, info: EngineInfo) -> list[Job]:
+    require_defaults(req, COMPLETION_DEFAULT_ONLY)
+    if req.best_of is not None and req.best_of != req.n:
+        raise ParamError("best_of", "only best_of == n is supported")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise ParamError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
+    _check_stream_options(req)
+    prompts = _completion_prompts(req.prompt, tok)
+    base = new_rid()
+    jobs = []
+    for i, ids in enumerate(prompts):
+        check_prompt(ids, info, "prompt")
+        params = _params(
+            req, info, len(ids), req.max_tokens, req.logprobs is not None, req.logprobs or 0,
+            {"top_logprobs": "logprobs"},
+        )
+        jobs.append(Job(base if len(prompts) == 1 else f"{base}-{i}", ids, params))
+    return jobs
+
+
+def _completion_prompts(prompt: str | list[Any], tok: Tokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tok.encode(prompt)]
+    if not prompt:
+        raise ParamError("prompt", "is empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [tok.encode(p) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt]
+    raise ParamError("prompt", "must be a string, a list of strings, token ids or lists of them")
+
+
+def chat_job(req: ChatReq, tok: Tokenizer, info: EngineInfo) -> Job:
+    require_defaults(req, CHAT_DEFAULT_ONLY)
+    if req.response_format is not None and req.response_format.type != "text":
+        raise ParamError("response_format.type", "only 'text' is supported")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise ParamError("top_logprobs", "requires logprobs to be true")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise ParamError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+    _check_stream_options(req)
+    ids = _chat_prompt(req, tok)
+    check_prompt(ids, info, "messages")
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    params = _params(
+        req, info, len(ids), limit, req.logprobs, req.top_logprobs or 0,
+        {"max_new_tokens": field},
+    )
+    return Job(new_rid(), ids, params)
+
+
+def _chat_prompt(req: ChatReq, tok: Tokenizer) -> list[int]:
+    if not req.messages:
+        raise ParamError("messages", "is empty")
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" for p in content):
+                raise ParamError(f"messages[{i}].content", "only text parts are supported")
+            content = "".join(p.text for p in content)
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        messages.append(msg)
+    try:
+        return tok.apply_chat_template(messages)
+    except ValueError as err:
+        raise ParamError("messages", str(err)) from err
+
+
+def _check_stream_options(req: CommonReq) -> None:
+    opts = req.stream_options
+    if opts is None:
+        return
+    if not req.stream:
+        raise ParamError("stream_options", "only allowed when stream is true")
+    if opts.continuous_usage_stats:
+        raise ParamError("stream_options.continuous_usage_stats", "not supported")
+
+
+def _params(
+    req: CommonReq,
+    info: EngineInfo,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int,
+    rename: dict[str, str],
+) -> SamplingParams:
+    room = info.max_model_len - prompt_len
+    names = {"max_new_tokens": "max_tokens", **rename}
+    if max_tokens is not None and max_tokens > room:
+        # As OpenAI and vLLM: refused, not silently cut at the end of the context.
+        raise ParamError(
+            names["max_new_tokens"],
+            f"is too large: {max_tokens}. The maximum context length is {info.max_model_len} "
+            f"tokens and the prompt has {prompt_len}, which leaves {room} "
+            f"({max_tokens} > {info.max_model_len} - {prompt_len})",
+        )
+    return make_params(
+        names,
+        max_new_tokens=room if max_tokens is None else max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        n=req.n,
+        stop=req.stop or (),
+        stop_token_ids=req.stop_token_ids or (),
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_in_text=req.include_stop_str_in_output or req.no_stop_trim,
+        seed=req.seed,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
