@@ -78,13 +78,27 @@ def fleet(tiny_model_dir: Path, tiny_drafter_dir: Path
          str(tiny_drafter_dir)],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
+    url = f"http://127.0.0.1:{port}"
     try:
+        # As a script waits for `tlt-serve serve`: /health, then requests at once. The router's
+        # port opens only with its replicas serving, so the first request is never a 503.
+        wait_for(lambda: proc.poll() is not None or _healthy(url), timeout=300, interval=0.2)
+        first = httpx.post(f"{url}/generate", json={"input_ids": [5, 9], "sampling_params": {
+            "max_new_tokens": 2}}, timeout=120)
+        assert first.status_code == 200, first.text
         read_line(proc, "tlt-serve fleet ready")
-        yield proc, f"http://127.0.0.1:{port}"
+        yield proc, url
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def routed(url: str, n: int) -> list[dict]:
@@ -118,7 +132,7 @@ def test_fleet_serves_through_the_router_and_stops_cleanly(fleet) -> None:
     routed(url, 64)
     served = [httpx.get(f"{w.url}/get_server_info").json()["stats"]["requests"]
               for w in replicas]
-    assert sum(served) == 64 and min(served) > 0  # both replicas took requests
+    assert sum(served) == 64 + 1 and min(served) > 0  # both took some (+ the first request)
     assert httpx.post(f"{url}/flush_cache").json()["workers_flushed"] == 2
 
     kids = children(proc.pid)

@@ -110,23 +110,22 @@ class Fleet(Launcher):
     def _start(self) -> None:
         a = self.args
         shares = split_cores(sorted(os.sched_getaffinity(0)), a.replicas, a.cores_per_replica)
-        self.router = RouterProcess(a.host, a.port, [], a.policy, a.log_level)
-        self.router.wait_up()
-        api = RouterApi(self.router.url)
         self.replicas = [start_replica(a, i, cores) for i, cores in enumerate(shares)]
         pending = {r.url for r in self.replicas}
         deadline = time.monotonic() + START_TIMEOUT_S
         while pending and not self.stopping:
             self._check_alive()
-            for r in self.replicas:
-                if r.url in pending and answers(f"{r.url}/health"):
-                    api.add(r.url)
-                    pending.discard(r.url)
+            pending = {url for url in pending if not answers(f"{url}/health")}
             if time.monotonic() > deadline:
                 raise RuntimeError(f"replicas not up in {START_TIMEOUT_S:.0f} s: {sorted(pending)}")
             time.sleep(0.5)
         if not self.stopping:
-            api.wait_healthy([r.url for r in self.replicas], timeout=60)
+            # The router's port opens only now, with every replica serving behind it: a
+            # client that waits on /health (as for `serve`) never meets a fleet without one.
+            urls = [r.url for r in self.replicas]
+            self.router = RouterProcess(a.host, a.port, urls, a.policy, a.log_level)
+            self.router.wait_up()
+            RouterApi(self.router.url).wait_healthy(urls, timeout=60)
             shown = ", ".join(f"{r.url} (cores {','.join(map(str, r.cores))})"
                               for r in self.replicas)
             print(f"tlt-serve fleet ready: {self.router.url} ({a.replicas} replicas: {shown})",

@@ -214,9 +214,6 @@ class RayFleet(Launcher):
 
         a = self.args
         host = a.host or ray.util.get_node_ip_address()
-        self.router = RouterProcess(host, a.port, [], a.policy, a.log_level)
-        self.router.wait_up()
-        api = RouterApi(self.router.url)
         self.actor_cls = ray.remote(ReplicaProcess)
         self.replicas = [Replica(i, opts, life=Life(f"replica {i}"))
                          for i, opts in enumerate(self._place())]
@@ -231,14 +228,17 @@ class RayFleet(Launcher):
                 if (how := self._gone(r)) is not None:
                     raise RuntimeError(f"replica {r.index} ({r.url}) {how} while starting")
                 if answers(f"{r.url}/health"):
-                    api.add(r.url)
                     pending.discard(r.index)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"replicas not up in {START_TIMEOUT_S:.0f} s: "
                                    f"{sorted(self.replicas[i].url or i for i in pending)}")
             time.sleep(0.5)
         if not self.stopping:
-            api.wait_healthy([r.url for r in self.replicas], timeout=60)
+            # The router's port opens only once every replica serves (as `tlt-serve fleet`).
+            urls = [r.url for r in self.replicas]
+            self.router = RouterProcess(host, a.port, urls, a.policy, a.log_level)
+            self.router.wait_up()
+            RouterApi(self.router.url).wait_healthy(urls, timeout=60)
             shown = ", ".join(f"{r.url} (pid {r.pid})" for r in self.replicas)
             print(f"tlt-serve fleet ready: {self.router.url} ({a.replicas} replicas: {shown})",
                   flush=True)
