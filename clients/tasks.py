@@ -8,7 +8,7 @@ the chain, which gives rollouts the long tail RL sees. The reward checks the fin
 
 ``solution(problem, style)`` writes a worked answer in one of a few styles; fine-tuning a model
 on one style after another gives successive target versions whose outputs really drift
-(``benchmarks/drift.py``).
+(``python -m benchmarks.adaptation drift``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,6 @@ python3 -c "import torch, vllm; print('torch', torch.__version__, 'cuda', torch.
 echo "install: $(( $(date +%s) - t0 )) s"
 TLT_REQUIRE_VLLM=1 timeout 420 python3 -m pytest -q -x tests/test_vllm_backend.py \
   2>&1 | tail -20 | tee "$OUT/tests.txt"
-timeout 240 python3 -m benchmarks.spec_decode --backends native,vllm --batches 1,16,64 \
-  --repeats 1 --out "$OUT/spec_decode_gpu.json" 2>&1 | tail -30 | tee "$OUT/spec_decode.txt"
+timeout 240 python3 -m benchmarks.decode served --backends native,vllm --batches 1,16,64 \
+  --repeats 1 --out "$OUT/decode_served_gpu.json" 2>&1 | tail -30 | tee "$OUT/decode_served.txt"
 echo "total: $(( $(date +%s) - t0 )) s"

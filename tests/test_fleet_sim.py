@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fleet_sim import Profile, loglog, replica_time, rollout
+from benchmarks.fleet import Profile, loglog, replica_time, simulated_rollout
 
 
 def flat(step_s: float = 1.0, accept: float = 1.0, cost: float = 1.0, spec_max: int = 2,
@@ -31,9 +31,9 @@ def test_tail_speculation_moves_one_plus_accept_tokens_per_step() -> None:
 
 def test_replicas_split_round_robin_and_idle_is_the_wait_for_the_last() -> None:
     p = flat()
-    span, idle = rollout([10, 2, 4, 2], 2, p, speculate=False)
+    span, idle = simulated_rollout([10, 2, 4, 2], 2, p, speculate=False)
     assert span == 10 and idle == 8  # replica 0: 10 and 4; replica 1: 2 and 2
-    assert rollout([10, 2], 1, p, speculate=False) == (10, 0)
+    assert simulated_rollout([10, 2], 1, p, speculate=False) == (10, 0)
 
 
 def test_loglog_interpolates_between_and_is_flat_outside() -> None:

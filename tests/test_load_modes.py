@@ -1,6 +1,7 @@
-"""The load benchmark's three modes (benchmarks/rollout_load.py) against a real server on the
-tiny model, in both dialects: every request is sent and counted, and each mode reports its
-figures (makespan and the small-batch phase; latency percentiles; one row per concurrency)."""
+"""The load benchmark's three modes (benchmarks/common/load.py, ``benchmarks.rollout load``) against
+a real server on the tiny model, in both dialects: every request is sent and counted, and each
+mode reports its figures (makespan and the small-batch phase; latency percentiles; one row per
+concurrency)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import asyncio
 import httpx
 import pytest
 
-from benchmarks.rollout_load import poisson_mode, rollout_mode, sweep_mode
-from tests.test_server_harness import Served
+from benchmarks.common import load
+from benchmarks.common.load import Endpoint
+from benchmarks.rollout import run_mode
+from tests.harness import Served
 
 LENGTHS = [3, 12, 5, 20, 8, 4]
 REQS = [
@@ -20,12 +23,9 @@ REQS = [
 ]
 
 
-def args(served: Served, dialect: str) -> argparse.Namespace:
+def endpoint(served: Served, dialect: str) -> Endpoint:
     model = httpx.get(f"{served.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
-    return argparse.Namespace(
-        dialect=dialect, served_model=model, seed=0, rate=40.0, concurrency=[1, 3], bin_s=0.5,
-        spec_max_batch=2,
-    )
+    return Endpoint(served.base_url, dialect, model)
 
 
 def complete(stats: dict) -> None:
@@ -37,7 +37,8 @@ def complete(stats: dict) -> None:
 
 @pytest.mark.parametrize("dialect", ["generate", "openai"])
 def test_rollout_mode_counts_every_token_and_the_small_batch_phase(served, dialect) -> None:
-    stats = asyncio.run(rollout_mode(served.base_url, args(served, dialect), REQS, "t"))
+    stats = asyncio.run(load.rollout(endpoint(served, dialect), REQS, "t", spec_max_batch=2,
+                                     bin_s=0.5))
     complete(stats)
     assert stats["lengths"] == sorted(LENGTHS)
     assert 0 < stats["small_batch_s"] <= stats["makespan_s"]
@@ -46,11 +47,11 @@ def test_rollout_mode_counts_every_token_and_the_small_batch_phase(served, diale
 
 @pytest.mark.parametrize("dialect", ["generate", "openai"])
 def test_poisson_and_sweep_modes_report_latency_per_setting(served, dialect) -> None:
-    a = args(served, dialect)
-    poisson = asyncio.run(poisson_mode(served.base_url, a, REQS, "t"))
-    assert poisson["rate"] == a.rate
+    ep = endpoint(served, dialect)
+    poisson = asyncio.run(load.poisson(ep, REQS, "t", rate=40.0, seed=0))
+    assert poisson["rate"] == 40.0
     complete(poisson)
-    sweep = asyncio.run(sweep_mode(served.base_url, a, REQS, "t"))
+    sweep = run_mode(argparse.Namespace(mode="sweep", concurrency=[1, 3]), ep, REQS, "t")
     assert list(sweep) == ["1", "3"]
     for stats in sweep.values():
         complete(stats)

@@ -1,4 +1,4 @@
-"""A short run of the soak benchmark (benchmarks/soak.py) against a tiny-model server.
+"""A short run of the soak test (benchmarks/stress/soak.py) against a tiny-model server.
 
 24 clients on 8 KV rows with a 4-request queue: requests wait, overflow (503 + Retry-After,
 retried), get disconnected and aborted at random points, for a few seconds; requests still
@@ -12,8 +12,9 @@ import asyncio
 import os
 from pathlib import Path
 
-from benchmarks.soak import SoakConfig, run_soak, summarize, write_outputs
-from tests.test_server_harness import serve
+from benchmarks.common.results import write
+from benchmarks.stress.soak import SoakConfig, plot, run_soak, summarize
+from tests.harness import serve
 from tlt_serve.config import SchedulerConfig
 
 CONFIG = SoakConfig(
@@ -31,7 +32,7 @@ def test_soak_smoke(tiny_model_dir: Path, tmp_path: Path) -> None:
     finally:
         served.stop()
     summary = summarize(result)
-    write_outputs(summary, tmp_path)
+    write(summary, tmp_path / "soak.json", plot)
     c = summary["counts"]
     assert summary["failures"] == [], (summary["failures"], summary["problems"])
     assert c["lost"] == c["duplicates"] == c["errors"] == 0

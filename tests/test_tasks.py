@@ -6,8 +6,7 @@ import statistics
 
 import pytest
 
-from benchmarks.load_client import Timed
-from benchmarks.rollout_load import latency_stats, small_batch_phase, timeline
+from benchmarks.common.timing import Timed, latency_stats, small_batch_phase, timeline
 from clients.tasks import STYLES, Problem, make_problems, reward, solution
 
 

@@ -67,13 +67,13 @@ class SpecConfig:
     drafter: str | None = None  # drafter checkpoint directory (see speculative/checkpoint.py)
     num_draft_tokens: int = 4  # chain depth: most tokens drafted per request per step
     # Speculate while at most this many sequences run (the long tail). Forced speculation
-    # (spec_decode, AMD EPYC Zen 4 with AVX512-BF16, 2026-12-01) is x1.19-1.27 of plain at
-    # batch 1, x0.81-0.84 at 4 and x0.69-0.77 at 16; up to 8 the bandit may still pick plain
-    # decoding per bucket, above it no step pays for its exploration.
+    # (benchmarks.decode offline, AMD EPYC Zen 4 with AVX512-BF16, 2026-12-01) is x1.19-1.27
+    # of plain at batch 1, x0.81-0.84 at 4 and x0.69-0.77 at 16; up to 8 the bandit may still
+    # pick plain decoding per bucket, above it no step pays for its exploration.
     max_batch: int = 8
     tree_topk: int = 1  # > 1: tree drafting (drafter or suffix), children per expanded node
     verify_budget: int = 0  # tree nodes verified per request (0: 2 * num_draft_tokens)
-    # Chain depths the auto policy chooses among. Measured here (benchmarks/spec_decode.py,
+    # Chain depths the auto policy chooses among. Measured here (benchmarks.decode offline,
     # bf16, 2 cores): depth 6 and drafter trees never beat depth 2-4 or plain decoding at any
     # batch size, so they are not default arms: each extra arm costs exploration steps in
     # every bucket. Trees with the own kernels (EPYC Zen 4, 2026-12-01, batch 1, 4 interleaved
@@ -93,7 +93,7 @@ class SpecConfig:
     # more, relative to what a step yields, at a larger batch; each bucket learns which cut
     # pays. A suffix draft stops below suffix_min_prob x the batch size under a fixed
     # --speculative suffix (a verified row costs ~1 ms in the own kernels at any batch size,
-    # benchmarks/kernel_rows.py, while a plain step grows far slower than the batch), and
+    # benchmarks.kernels rows, while a plain step grows far slower than the batch), and
     # below suffix_min_prob under auto (whose arms' cuts are the price).
     suffix_chains: tuple[tuple[int, float], ...] = ((8, 0.1), (8, 0.3), (8, 0.6))
     suffix_trees: tuple[tuple[int, int, int], ...] = ()

@@ -55,7 +55,7 @@ class OnlineConfig:
     api_key: str | None = None
     seed: int = 0
     rows: int = 1  # packed rows per micro-step
-    row_len: int = 64  # pairs per row: a tick takes ~130 ms here (benchmarks/trainer_yield.py)
+    row_len: int = 64  # pairs per row: a tick takes ~130 ms here (benchmarks.adaptation yield)
     accum: int = 4  # micro-steps per optimizer step
     lr: float = 1e-3
     warmup_steps: int = 10

@@ -16,7 +16,7 @@ the default model: drafted nodes estimated at 0.1-0.2 / 0.5-0.6 / 0.9-1.0 were a
 38% / 92% of the time (unsmoothed, nodes estimated above 0.9 were accepted 29% of the time),
 so ``min_prob`` is a price per verified row.
 
-Cost (CPython, measured by ``benchmarks/suffix_index.py``): ``extend`` is O(key_len) per
+Cost (CPython, measured by ``benchmarks.history index``): ``extend`` is O(key_len) per
 token: one dict write; a lookup is O(max_candidates * max_match) to find the longest match plus
 O(candidates * depth) to count the continuations, independent of how much is indexed.
 Memory per indexed token: 4 bytes of token, plus, for a position whose key was seen before,

