@@ -6,7 +6,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_server_harness import Served, serve
+from tests.harness import Served, serve
 from tests.tiny import make_tiny_drafter, make_tiny_model
 
 

@@ -5,13 +5,12 @@ caught in flight, after which every replica reports the new version and serves t
 weights. AReaL runs in a process of its own (``tests/areal_driver.py`` says why and what
 it does); this module checks what it got against servers started here.
 
-Needs areal (``bash scripts/install.sh --areal``); skipped without it, except where
-``TLT_REQUIRE_AREAL=1`` makes its absence a failure.
+Needs areal (``bash scripts/install.sh --areal``) and, for the fleet, sglang-router; skipped
+without them, except where ``TLT_REQUIRE_AREAL=1`` makes the absence of either a failure.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -25,14 +24,20 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_fleet import free_run, read_line, tiny_flags
-from tests.test_server_harness import Served, serve
+from tests.harness import (
+    Served,
+    free_run,
+    need,
+    need_router,
+    read_line,
+    serve,
+    skip_unless_required,
+    tiny_flags,
+)
 
-REQUIRED = os.environ.get("TLT_REQUIRE_AREAL") == "1"
-# find_spec, not an import: importing areal changes this process's environment and logging.
-if importlib.util.find_spec("areal") is None and not REQUIRED:
-    pytest.skip("areal is not installed (bash scripts/install.sh --areal)",
-                allow_module_level=True)
+AREAL = "TLT_REQUIRE_AREAL"
+# Not imported here: importing areal changes this process's environment and logging.
+need("areal", "bash scripts/install.sh --areal", AREAL, load=False)
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 9, 23, 7], [11, 2, 40, 3, 17], [100, 200, 7, 7, 1, 42]]
@@ -63,7 +68,7 @@ def replica(tiny_model_dir: Path) -> Iterator[Served]:
 @pytest.fixture
 def fleet(tiny_model_dir: Path) -> Iterator[str]:
     """``tlt-serve fleet --replicas 2``: sglang-router and two replicas; the router's URL."""
-    pytest.importorskip("sglang_router")
+    need_router(AREAL)
     port = free_run(3)
     proc = subprocess.Popen(
         [sys.executable, "-m", "tlt_serve", "fleet", "--replicas", "2", "--port", str(port),
@@ -93,8 +98,9 @@ def run_areal(gen_addrs: list[str], replicas: list[str], new_weights: Path,
     out = tmp_path / "out.json"
     r = subprocess.run([sys.executable, "-m", "tests.areal_driver", str(tmp_path / "spec.json"),
                         str(out)], cwd=REPO, capture_output=True, text=True, timeout=400)
-    if r.returncode == 3 and not REQUIRED:
-        pytest.skip(f"areal is installed but not importable: {r.stderr.strip()[-300:]}")
+    if r.returncode == 3:
+        skip_unless_required(f"areal is installed but not importable: {r.stderr.strip()[-300:]}",
+                             AREAL)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return json.loads(out.read_text())
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_engine import PROMPTS
+from tests.harness import PROMPTS
 from tests.tiny import make_tiny_drafter
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.backends.native.updates import EngineUpdates

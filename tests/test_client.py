@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from clients import AsyncClient, BadRequest, Client
-from tests.test_server_harness import Served
+from tests.harness import Served
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 
@@ -130,7 +130,7 @@ def test_async_client_pushes_weights_and_reads_versions(served: Served) -> None:
 
 
 def test_distributed_push(client: Client, served: Served) -> None:
-    from benchmarks.serverproc import free_port
+    from benchmarks.common.servers import free_port
     from clients.dist import DistributedPusher
 
     tensors = load_file(str(Path(served.model_dir) / "model.safetensors"))

@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from tests.harness import PROMPTS, make_llm
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.backends.native.updates import EngineUpdates
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -15,15 +16,6 @@ from tlt_serve.models.loader import iter_safetensors
 from tlt_serve.sampling_params import ParamError
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-def make_llm(path, rows: int = 8, prefill: int = 2048, max_len: int = 256) -> LLM:
-    cfg = EngineConfig(
-        model=ModelConfig(model=str(path), dtype="float32", max_model_len=max_len),
-        cache=CacheConfig(max_num_seqs=rows),
-        scheduler=SchedulerConfig(max_prefill_tokens=prefill),
-    )
-    return LLM(config=cfg)
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -42,15 +34,6 @@ def llm(tiny_model_dir) -> LLM:
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir):
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-
-
-PROMPTS = [
-    "The quick brown fox",
-    "def add(a, b):",
-    "What is 12 + 7? Let me think step by step.",
-    "Bonjour",
-    "Speculative decoding drafts tokens cheaply and verifies them in one forward pass. " * 2,
-]
 
 
 def test_greedy_alone_equals_hf(llm: LLM, hf) -> None:

@@ -4,13 +4,10 @@ joining and leaving a running router with ``--register``."""
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,53 +16,21 @@ import httpx
 import pytest
 
 from clients.fleet import Fleet, FleetError
-from tests.test_server_harness import wait_for
-from tests.test_server_lifecycle import children, running
+from tests.harness import (
+    children,
+    free_run,
+    need_router,
+    read_line,
+    routed,
+    running,
+    tiny_flags,
+    wait_for,
+)
 from tlt_serve.fleet.launch import split_cores
 from tlt_serve.fleet.router_api import RouterApi
 from tlt_serve.fleet.router_proc import RouterProcess, free_port
 
-pytest.importorskip("sglang_router")
-
-
-def tiny_flags(model_dir: Path) -> list[str]:
-    return ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", "256",
-            "--max-num-seqs", "16", "--log-level", "warning"]
-
-
-def read_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 300) -> str:
-    lines: list[str] = []
-
-    def seen() -> bool:
-        line = proc.stdout.readline() if proc.stdout else ""
-        lines.append(line)
-        if not line and proc.poll() is not None:
-            raise AssertionError(f"exited {proc.returncode}: {''.join(lines)[-2000:]}")
-        return line.startswith(prefix)
-
-    wait_for(seen, timeout=timeout, interval=0)
-    # Keep the pipe drained from here on: a full pipe blocks the router's logging (it shares
-    # the launcher's stdout), and a blocked router answers nothing.
-    threading.Thread(target=lambda: proc.stdout and proc.stdout.read(), daemon=True).start()
-    return lines[-1]
-
-
-def free_run(n: int) -> int:
-    """The first of ``n`` consecutive free ports, below Linux's ephemeral range (32768+), so
-    that no outgoing connection takes one between now and the replicas binding it."""
-    rng = random.Random()
-    while True:
-        first = rng.randrange(20000, 32000 - n)
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            for i, s in enumerate(socks):
-                s.bind(("127.0.0.1", first + i))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
+need_router()
 
 
 @pytest.fixture
@@ -99,22 +64,6 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def routed(url: str, n: int) -> list[dict]:
-    """``n`` requests (rids r0..) through the router, 16 at a time; each answered once."""
-    def one(i: int) -> dict:
-        body = {"input_ids": [5, 9, 23, i % 50 + 1], "rid": f"r{i}",
-                "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": i}}
-        r = httpx.post(f"{url}/generate", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    with ThreadPoolExecutor(16) as pool:
-        outs = list(pool.map(one, range(n)))
-    assert all(o["output_ids"] for o in outs)
-    assert sorted(o["meta_info"]["id"] for o in outs) == sorted(f"r{i}" for i in range(n))
-    return outs
 
 
 def test_cores_split_evenly_or_as_asked() -> None:

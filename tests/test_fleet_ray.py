@@ -20,14 +20,23 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_fleet import free_run, read_line, routed, tiny_flags
-from tests.test_server_harness import wait_for
-from tests.test_server_lifecycle import group, running
+from tests.harness import (
+    DEV,
+    free_run,
+    group,
+    need,
+    need_router,
+    read_line,
+    routed,
+    running,
+    tiny_flags,
+    wait_for,
+)
 from tlt_serve.fleet.router_api import RouterApi
 from tlt_serve.fleet.router_proc import free_port
 
-pytest.importorskip("sglang_router")
-pytest.importorskip("ray")
+need_router()
+need("ray", DEV, "TLT_REQUIRE_RAY")
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}

@@ -11,8 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_online_trainer import PROMPTS
-from tests.test_server_harness import Served, serve, wait_for
+from tests.harness import ROLLOUT_PROMPTS, Served, need_router, serve, wait_for
 from tests.tiny import make_tiny_drafter
 from tlt_serve.config import CaptureConfig, SpecConfig
 from tlt_serve.fleet.router_api import RouterApi
@@ -21,7 +20,7 @@ from trainer.fleet_link import FleetLink
 from trainer.online import OnlineConfig, OnlineTrainer
 from trainer.store import StoreConfig
 
-pytest.importorskip("sglang_router")
+need_router()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ def test_one_trainer_feeds_on_and_publishes_to_every_replica(
     params = {"max_new_tokens": 48, "temperature": 1.0, "ignore_eos": True}
     with httpx.Client(timeout=600) as http:  # one prompt a request: the router spreads them
         for i in range(4):
-            for p in PROMPTS:
+            for p in ROLLOUT_PROMPTS:
                 body = {"text": p, "sampling_params": {**params, "sampling_seed": i}}
                 assert http.post(f"{router_url}/generate", json=body).status_code == 200
     link = FleetLink(router_url, refresh_s=0.0)
@@ -78,7 +77,7 @@ def test_one_trainer_feeds_on_and_publishes_to_every_replica(
     assert trainer.tick() == "pulled"
     pulled = link.cursor
     assert set(pulled) == {r.base_url for r in replicas} and min(pulled.values()) > 0
-    assert trainer.cursor == len(PROMPTS) * 4  # every sample, from whichever replica
+    assert trainer.cursor == len(ROLLOUT_PROMPTS) * 4  # every sample, from whichever replica
     assert link.lender in pulled  # an idle replica lends its cores
 
     did = [trainer.tick() for _ in range(400) if trainer.published_version == 0]

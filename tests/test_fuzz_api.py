@@ -23,7 +23,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from tests.test_server_harness import Served, engine_counts, serve, wait_for
+from tests.harness import Served, engine_counts, serve, wait_for
 
 USER, ADMIN = "fuzz-user", "fuzz-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}

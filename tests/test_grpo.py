@@ -10,7 +10,7 @@ import torch
 
 from clients.grpo import GrpoConfig, GrpoLoop, advantages, policy_loss
 from clients.tasks import Problem
-from tests.test_server_harness import Served
+from tests.harness import Served
 
 
 def test_advantages_are_group_relative() -> None:

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_engine import PROMPTS
-from tests.test_spec_engine import make_llm
+from tests.harness import PROMPTS, make_llm
 from tests.tiny import make_tiny_drafter
 from tlt_serve import SamplingParams
 from tlt_serve.backends.native.updates import EngineUpdates

@@ -8,11 +8,11 @@ import pytest
 import torch
 import transformers
 
+from tests.harness import own_kernels
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.kernels import (
     CpuKernels,
     attention_avx2,
-    cpu_kernels,
     matvec_avx2,
     own_avx512,
     own_avx512_bf16,
@@ -20,14 +20,6 @@ from tlt_serve.kernels import (
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
 from tlt_serve.models.llama import MATVEC_ROWS, Linear, set_cpu_kernels
 from tlt_serve.models.loader import WeightError, build_model, iter_safetensors, load_weights
-
-
-def own_kernels() -> CpuKernels:
-    """The own CPU kernels, or skip: they are optional (no AVX2 CPU or no compiler)."""
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("no AVX2 CPU or no compiler: the kernels are optional")
-    return kernels
 
 
 def fb(kv: KVCache, pos: torch.Tensor, mask: torch.Tensor) -> ForwardBatch:
@@ -385,10 +377,10 @@ def test_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> None:
     from tlt_serve.engine.runner import extend_batch
     from tlt_serve.models.llama import Attention
 
+    own_kernels()
     model = build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True)
     kernels = model.kernels
-    if kernels is None or kernels.attention is None:
-        pytest.skip("no AVX2 CPU or no compiler: the kernel is optional")
+    assert kernels is not None and kernels.attention is not None
     attn = [m for m in model.modules() if isinstance(m, Attention)]
     kv = KVCache(model.cfg, rows=3, max_len=32, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
@@ -421,10 +413,10 @@ def test_whole_layer_kernel_gives_the_op_by_op_layers_bits(tiny_model_dir) -> No
     from tlt_serve.engine.runner import extend_batch
     from tlt_serve.models.llama import DecoderLayer
 
+    own_kernels()
     models = [build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True) for _ in range(2)]
     kernels = models[0].kernels
-    if kernels is None or kernels.layer is None:
-        pytest.skip("no AVX2 CPU or no compiler: the kernels are optional")
+    assert kernels is not None and kernels.layer is not None
     kernels = replace(kernels, matvec_rows=MATVEC_ROWS)  # every step's rows, on any host
     set_cpu_kernels(models[0], kernels)
     set_cpu_kernels(models[1], replace(kernels, layer=None))
@@ -463,8 +455,10 @@ def test_whole_layer_kernel_gives_the_op_by_op_layers_bits(tiny_model_dir) -> No
 
 @torch.inference_mode()  # as the engine runs: the kernel is only used without autograd
 def test_bf16_model_with_kernels_tracks_fp32(tiny_model_dir) -> None:
+    own_kernels()
     fp32 = build_model(tiny_model_dir, torch.float32, 64)
     bf16 = build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True)
+    assert bf16.kernels is not None
     ids = torch.tensor([[3, 4, 5, 6]])
     outs = []
     for m, dt in ((fp32, torch.float32), (bf16, torch.bfloat16)):

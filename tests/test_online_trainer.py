@@ -19,9 +19,15 @@ import httpx
 import pytest
 import torch
 
-from tests.test_server_harness import Served, serve, wait_for
-from tests.test_server_lifecycle import read_ready_url, start_cli
-from tests.test_spec_engine import make_llm
+from tests.harness import (
+    ROLLOUT_PROMPTS,
+    Served,
+    make_llm,
+    read_ready_url,
+    serve,
+    start_cli,
+    wait_for,
+)
 from tests.tiny import make_tiny_drafter
 from tlt_serve import SamplingParams
 from tlt_serve.config import CaptureConfig, SpecConfig
@@ -29,9 +35,6 @@ from trainer.link import ServerLink
 from trainer.online import OnlineConfig, OnlineTrainer
 from trainer.state import checkpoints
 from trainer.store import StoreConfig
-
-PROMPTS = ["The quick brown fox", "def add(a, b):", "What is 12 + 7?", "Bonjour, ça va?",
-           "Speculative decoding drafts tokens", "Reinforcement learning trains"]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def server(tiny_model_dir: Path, drafter_dir: Path) -> Iterator[Served]:
 def rollout(s: Served, n: int = 4, temperature: float = 1.0) -> list[dict]:
     params = {"max_new_tokens": 48, "temperature": temperature, "n": n, "ignore_eos": True}
     with s.http(timeout=600) as http:  # generous: CI machines are shared
-        resp = http.post("/generate", json={"text": PROMPTS, "sampling_params": params})
+        resp = http.post("/generate", json={"text": ROLLOUT_PROMPTS, "sampling_params": params})
     assert resp.status_code == 200, resp.text
     out: list[dict] = resp.json()
     return out
@@ -73,7 +76,7 @@ def test_trains_publishes_and_serves_exactly(
 ) -> None:
     rollout(server)
     trainer = OnlineTrainer(config(server, tmp_path, drafter_dir), ServerLink(server.base_url))
-    assert trainer.tick() == "pulled" and trainer.cursor == len(PROMPTS) * 4
+    assert trainer.tick() == "pulled" and trainer.cursor == len(ROLLOUT_PROMPTS) * 4
     did = [trainer.tick() for _ in range(400) if trainer.published_version == 0]
     assert "published" in did, trainer.verdict
     assert trainer.verdict and trainer.verdict["candidate"] > trainer.verdict["served"]
@@ -84,7 +87,7 @@ def test_trains_publishes_and_serves_exactly(
         assert info["drafter_version"] == 1
         assert info["training"]["trainer"]["published_version"] == 1
     expect = make_llm(tiny_model_dir).generate(
-        PROMPTS, SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True))
+        ROLLOUT_PROMPTS, SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True))
     for got, want in zip(rollout(server, n=1, temperature=0.0), expect, strict=True):
         assert got["output_ids"] == want.samples[0].token_ids
         assert got["meta_info"]["drafter_versions"] == [1]
@@ -167,7 +170,7 @@ def test_server_supervises_the_trainer_through_sigkill(
         headers = {"Authorization": "Bearer user-key"}
         with httpx.Client(base_url=url, timeout=600, headers=headers) as http:
             params = {"max_new_tokens": 48, "temperature": 1.0, "n": 8, "ignore_eos": True}
-            assert http.post("/generate", json={"text": PROMPTS, "sampling_params": params}
+            assert http.post("/generate", json={"text": ROLLOUT_PROMPTS, "sampling_params": params}
                              ).status_code == 200
 
             def training() -> dict:
@@ -181,8 +184,8 @@ def test_server_supervises_the_trainer_through_sigkill(
             assert os.getpriority(os.PRIO_PROCESS, first["pid"]) == 19
             # Load returns: the server suspends the trainer at once, and resumes it after.
             long = {"max_new_tokens": 200, "temperature": 0, "n": 4, "ignore_eos": True}
-            busy = threading.Thread(target=http.post, args=("/generate",),
-                                    kwargs={"json": {"text": PROMPTS[0], "sampling_params": long}})
+            body = {"text": ROLLOUT_PROMPTS[0], "sampling_params": long}
+            busy = threading.Thread(target=http.post, args=("/generate",), kwargs={"json": body})
             # Generation paused in place first: the request stays in flight until continued,
             # so the checks cannot race its end (a fast machine finishes it in a blink).
             admin = {"Authorization": "Bearer admin-key"}
@@ -198,7 +201,7 @@ def test_server_supervises_the_trainer_through_sigkill(
             assert proc_state(first["pid"]) != "T"
             os.kill(first["pid"], signal.SIGKILL)
             newest = checkpoints(state)[0]  # nothing writes one any more
-            out = http.post("/generate", json={"text": PROMPTS[0], "sampling_params": {
+            out = http.post("/generate", json={"text": ROLLOUT_PROMPTS[0], "sampling_params": {
                 "max_new_tokens": 8, "temperature": 0}})
             assert out.status_code == 200 and len(out.json()["output_ids"]) == 8
             after = wait_for(lambda: (t := training())["restarts"] == 1 and t["pid"] and t,
@@ -221,7 +224,7 @@ def sigterm_with_a_stream_in_flight(
     proc: subprocess.Popen[str], url: str, headers: dict[str, str], state: Path
 ) -> None:
     events: list = []
-    body = {"text": PROMPTS[0], "stream": True,
+    body = {"text": ROLLOUT_PROMPTS[0], "stream": True,
             "sampling_params": {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}}
 
     def stream() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.test_server_harness import MAX_MODEL_LEN, Served, serve, sse_events
+from tests.harness import MAX_MODEL_LEN, Served, serve, sse_events
 from tlt_serve import LLM, SamplingParams
 
 KEY = "sdk-key"

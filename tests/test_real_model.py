@@ -8,18 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.harness import REAL_PROMPTS
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
 
 pytestmark = pytest.mark.real_model
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a Python function that reverses a string.",
-    "If I have 3 apples and buy 5 more, how many apples do I have? Think step by step.",
-    "Give me two tips for better sleep.",
-    "Translate 'good morning' into Spanish and German.",
-]
 NEW = 32
 
 
@@ -38,7 +32,7 @@ def hf_outputs(llm: LLM) -> list[list[int]]:
 
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
     outs = []
-    for text in PROMPTS:
+    for text in REAL_PROMPTS:
         ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
         with torch.inference_mode():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
@@ -52,7 +46,7 @@ def _chat(llm: LLM, text: str) -> list[int]:
 
 def test_greedy_alone_matches_hf(llm: LLM, hf_outputs: list[list[int]]) -> None:
     p = SamplingParams(max_new_tokens=NEW, temperature=0.0)
-    for text, ref in zip(PROMPTS, hf_outputs, strict=True):
+    for text, ref in zip(REAL_PROMPTS, hf_outputs, strict=True):
         got = llm.generate([_chat(llm, text)], p)[0].samples[0]
         assert got.token_ids == ref, text
         assert got.text.strip()
@@ -60,10 +54,10 @@ def test_greedy_alone_matches_hf(llm: LLM, hf_outputs: list[list[int]]) -> None:
 
 def test_greedy_in_mixed_batch_of_16_matches_hf(llm: LLM, hf_outputs: list[list[int]]) -> None:
     greedy = SamplingParams(max_new_tokens=NEW, temperature=0.0)
-    prompts = [_chat(llm, t) for t in PROMPTS]
-    params = [greedy] * len(PROMPTS)
+    prompts = [_chat(llm, t) for t in REAL_PROMPTS]
+    params = [greedy] * len(REAL_PROMPTS)
     for i in range(11):
-        prompts.append(_chat(llm, PROMPTS[i % 5] + " Please answer in detail." * (i % 4)))
+        prompts.append(_chat(llm, REAL_PROMPTS[i % 5] + " Please answer in detail." * (i % 4)))
         params.append(
             SamplingParams(
                 max_new_tokens=8 + 5 * i, temperature=0.6 + 0.1 * (i % 5), top_p=0.95,
@@ -75,7 +69,7 @@ def test_greedy_in_mixed_batch_of_16_matches_hf(llm: LLM, hf_outputs: list[list[
     results = llm.generate([prompts[i] for i in order], [params[i] for i in order])
     by_index = dict(zip(order, results, strict=True))
     for i, ref in enumerate(hf_outputs):
-        assert by_index[i].samples[0].token_ids == ref, PROMPTS[i]
+        assert by_index[i].samples[0].token_ids == ref, REAL_PROMPTS[i]
 
 
 def test_chat_answer_is_coherent_and_stops_at_eos(llm: LLM) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import REAL_PROMPTS
 from tests.real_drafter import fit_drafter
 from tests.staged import assert_switched_on_off_on, run_staged
-from tests.test_real_model import PROMPTS as REAL_PROMPTS
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 

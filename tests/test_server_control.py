@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_server_harness import Served, engine_counts, sse_events, wait_for
+from tests.harness import Served, engine_counts, generated_tokens, sse_events, wait_for
 
 LONG = {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}
 
@@ -41,10 +41,6 @@ class Background:
         self.thread.join(timeout)
         assert self.result is not None, "request did not complete"
         return self.result
-
-
-def generated_tokens(http: httpx.Client) -> int:
-    return http.get("/get_server_info").json()["stats"]["generated_tokens"]
 
 
 def test_abort_streaming_request_returns_partial_output(served, http) -> None:

@@ -12,8 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from tests.test_server_harness import Served, scrape, serve
-from tests.test_spec_engine import make_llm
+from tests.harness import Served, make_llm, scrape, serve
 from tests.tiny import make_tiny_drafter
 from tlt_serve import SamplingParams
 from tlt_serve.config import CaptureConfig, SpecConfig

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.test_server_harness import MAX_MODEL_LEN, Served, serve
+from tests.harness import MAX_MODEL_LEN, Served, assert_error, serve
 
 KEY = "s3cret-key"
 OK_SP = {"max_new_tokens": 2, "temperature": 0}
@@ -21,16 +21,6 @@ def served(tiny_model_dir) -> Iterator[Served]:
     s = serve(tiny_model_dir, api_key=KEY, max_num_seqs=2)
     yield s
     s.stop()
-
-
-def assert_error(resp: httpx.Response, status: int, param: str | None) -> None:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == status
-    if param is not None:
-        assert err["param"] == param, err
-        assert param.split(".")[-1].split("[")[0] in err["message"], err
 
 
 def test_auth_required_except_health(served: Served) -> None:

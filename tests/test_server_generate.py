@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.test_server_harness import MAX_MODEL_LEN, scrape, sse_events
+from tests.harness import MAX_MODEL_LEN, scrape, sse_events
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.contract.controls import GetStats
 

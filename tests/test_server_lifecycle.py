@@ -6,49 +6,27 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.test_server_harness import engine_counts, serve, server_config, sse_events, wait_for
+from tests.harness import (
+    children,
+    engine_counts,
+    group,
+    read_ready_url,
+    running,
+    serve,
+    server_config,
+    sse_events,
+    start_cli,
+    wait_for,
+)
 from tlt_serve.server.common.bridge import Bridge, EngineStartError
 
-REPO = Path(__file__).resolve().parents[1]
 LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-
-
-def start_cli(
-    model: str, *extra: str, env: dict[str, str] | None = None
-) -> subprocess.Popen[str]:
-    """The CLI in a session of its own (``os.killpg(proc.pid, ...)`` reaches every process it
-    started, as Ctrl-C in a terminal would); ``env`` adds to the environment."""
-    cmd = [sys.executable, "-m", "tlt_serve", "serve", "--model", model, "--port", "0",
-           "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
-           "--log-level", "warning", *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=REPO, start_new_session=True)
-
-
-def read_ready_url(proc: subprocess.Popen[str], timeout: float = 120) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        m = re.search(r"tlt-serve ready: (http://\S+) \(model ", line)
-        if m:
-            return m.group(1)
-    raise AssertionError("no ready line; output:\n" + "".join(seen))
 
 
 def test_a_start_killed_while_building_the_kernels_does_not_block_the_next(
@@ -64,7 +42,8 @@ def test_a_start_killed_while_building_the_kernels_does_not_block_the_next(
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(30)
-    time.sleep(0.5)  # let the compilers of the dead build go too
+    # The compilers of the dead build go too (they are in its process group).
+    wait_for(lambda: not group(first.pid), 30, "the killed build's processes to exit")
     assert lock.exists()  # what made every later start wait forever
     second = start_cli(str(tiny_model_dir), "--dtype", "bfloat16", env=env)
     try:
@@ -119,38 +98,6 @@ def test_cli_serves_and_sigterm_aborts_in_flight(tiny_model_dir) -> None:
             proc.wait()
     assert proc.stdout is not None
     assert "k" not in re.findall(r"Bearer \S+", proc.stdout.read())
-
-
-def children(pid: int) -> list[int]:
-    """Pids whose parent is ``pid`` (Linux /proc)."""
-    return procs(lambda fields: int(fields[1]) == pid)
-
-
-def group(pgid: int) -> list[int]:
-    """Live (not zombie) pids in process group ``pgid``."""
-    return procs(lambda fields: int(fields[2]) == pgid and fields[0] != "Z")
-
-
-def procs(where: Callable[[list[str]], bool]) -> list[int]:
-    """Pids whose /proc stat fields after the name (state, ppid, pgrp, ...) match."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if where(fields):
-            found.append(int(stat.parent.name))
-    return found
-
-
-def running(pid: int) -> bool:
-    """Exists and is not a zombie (an orphan's zombie may linger where pid 1 does not reap)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_cli_bad_model_exits_nonzero(tmp_path) -> None:

@@ -11,8 +11,7 @@ import httpx
 import msgspec
 import pytest
 
-from tests.test_server_errors import assert_error
-from tests.test_server_harness import Served, engine_counts, serve, server_config, wait_for
+from tests.harness import Served, assert_error, engine_counts, serve, server_config, wait_for
 from tlt_serve.config import ConfigError
 from tlt_serve.flags import parse as parse_serve_flags
 from tlt_serve.sampling_params import ParamError

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_server_harness import Served, scrape, serve, sse_events
+from tests.harness import Served, scrape, serve, sse_events
 from tlt_serve.cli import main
 from tlt_serve.flags import parse as parse_serve_flags
 

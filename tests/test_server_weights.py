@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load, load_file, save
 
-from tests.test_server_harness import (
+from tests.harness import (
     MAX_MODEL_LEN,
     Served,
     engine_counts,
@@ -286,14 +286,17 @@ def test_a_trainer_that_never_joins_does_not_stall_serving(served, http, expecte
                 "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
                 "world_size": 2, "timeout_s": 4})
 
+    def busy() -> bool:  # refused as busy: the init is waiting for rank 0 (else "no group")
+        resp = http.post("/destroy_weights_update_group", json={})
+        assert resp.status_code == 400, resp.text
+        return "busy" in resp.json()["message"]
+
     waiter = threading.Thread(target=init)
     t0 = time.monotonic()
     waiter.start()
-    time.sleep(0.5)  # the init is waiting for rank 0 now
-    out = generate(http)
-    assert out["output_ids"] == expected["base"] and time.monotonic() - t0 < 4
-    busy = http.post("/destroy_weights_update_group", json={})
-    assert busy.status_code == 400 and "busy" in busy.json()["message"]
+    wait_for(busy, 4, "the init to wait for rank 0")
+    assert generate(http)["output_ids"] == expected["base"]
+    assert busy() and waiter.is_alive()  # served while the init still waited
     waiter.join(60)
     assert replies["init"].status_code == 400
     assert "init_weights_update_group failed" in replies["init"].json()["message"]

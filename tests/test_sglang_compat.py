@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.test_server_harness import Served, wait_for
+from tests.harness import Served, need_router, wait_for
 
 # The fields sglang-router 0.3.2 writes into every /generate it forwards (model: null).
 ROUTER_GENERATE_FIELDS = {
@@ -151,7 +151,7 @@ def free_port() -> int:
 
 @pytest.fixture
 def router(served: Served) -> Iterator[str]:
-    pytest.importorskip("sglang_router")
+    need_router()
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",

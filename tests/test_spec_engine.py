@@ -12,30 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.harness import PROMPTS, make_llm, own_kernels
 from tests.staged import assert_switched_on_off_on, run_staged
-from tests.test_engine import PROMPTS
 from tests.tiny import make_tiny_drafter
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.backends.native.updates import EngineUpdates
-from tlt_serve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SpecConfig
+from tlt_serve.config import ConfigError, EngineConfig, SpecConfig
 from tlt_serve.contract.controls import ControlError
 from tlt_serve.speculative.checkpoint import DrafterError
-
-
-def make_llm(
-    path: Path,
-    spec: SpecConfig | None = None,
-    rows: int = 8,
-    max_len: int = 256,
-    dtype: str = "float32",
-) -> LLM:
-    return LLM(
-        config=EngineConfig(
-            model=ModelConfig(model=str(path), dtype=dtype, max_model_len=max_len),
-            cache=CacheConfig(max_num_seqs=rows),
-            spec=spec or SpecConfig(),
-        )
-    )
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +118,11 @@ def test_bf16_with_the_own_kernels_is_bitwise_plain_decoding(
     rows fit the own product — for trees too (a node sees its prefix and ancestors, what its
     token sees when decoded).
     (The AVX2 product sums 1, 2-4 and 5-8 rows in different orders: no such guarantee.)"""
-    from tlt_serve.kernels import cpu_kernels, own_avx512_bf16
+    from tlt_serve.kernels import own_avx512_bf16
 
-    kernels = cpu_kernels()
-    if kernels is None or kernels.attention is None or not own_avx512_bf16():
-        pytest.skip("needs the own kernels with the AVX512-BF16 product (row-invariant)")
+    kernels = own_kernels()
+    if not own_avx512_bf16():
+        pytest.skip("this CPU has no AVX512-BF16: the own product is not row-invariant here")
     if kernels.matvec_rows < 5 * 5:
         pytest.skip("verify rows (5 requests x 5 tokens) exceed the own product's limit here")
     configs = spec_configs(drafters, max_batch=8)

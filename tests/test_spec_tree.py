@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_spec_verify import (
+from tests.reference import (
     LOGITS0,
     LOGITS1,
     LOGITS2,

@@ -12,14 +12,13 @@ Needs vLLM (``bash scripts/install.sh --vllm``); skipped without it, except wher
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
+import shutil
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -27,8 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.harness import Served, generated_tokens, need, serve, wait_for
 from tests.real_drafter import fit_drafter
-from tests.test_server_harness import Served, serve, wait_for
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.backends.vllm.args import kv_cache_bytes
 from tlt_serve.config import (
@@ -41,10 +40,8 @@ from tlt_serve.config import (
 )
 from tlt_serve.models.provision import resolve_model_path
 
-# find_spec, not an import: importing vllm changes this process's environment.
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-if not HAVE_VLLM and os.environ.get("TLT_REQUIRE_VLLM") != "1":
-    pytest.skip("vLLM is not installed (bash scripts/install.sh --vllm)", allow_module_level=True)
+# Not imported here: importing vllm changes this process's environment.
+need("vllm", "bash scripts/install.sh --vllm", "TLT_REQUIRE_VLLM", load=False)
 
 pytestmark = pytest.mark.real_model
 
@@ -133,6 +130,13 @@ def ids(outs: list[dict]) -> list[list[int]]:
     return [o["output_ids"] for o in outs]
 
 
+def spec_counts(outs: list[dict]) -> tuple[int, int]:
+    """(verify steps, accepted drafts) over ``outs``."""
+    metas = [o["meta_info"] for o in outs]
+    verified = sum(m["spec_verify_ct"] for m in metas)
+    return verified, round(sum(m["spec_accept_length"] * m["spec_verify_ct"] for m in metas))
+
+
 def test_greedy_equals_vllm_offline_alone_and_batched(plain: Served, prompts, offline) -> None:
     batched = generate(plain, prompts, LENGTHS)
     assert ids(batched) == offline["served"]
@@ -215,17 +219,42 @@ def test_n_samples_seeds_and_openai(plain: Served, prompts) -> None:
     assert chat["usage"]["completion_tokens"] == 8
 
 
-def test_abort_returns_partial_output_and_pause_modes(plain: Served, prompts) -> None:
+def test_pause_modes_and_abort_on_vllm(plain: Served, prompts) -> None:
+    """``in_place`` keeps a running request, which goes on after ``/continue_generation`` to
+    the answer it would have given unpaused; ``abort`` ends it at once (before any continue)
+    with finish reason abort and the tokens it had, as an abort by rid does."""
+    body = {"input_ids": prompts[0], "sampling_params": greedy(200)}
     with plain.http(timeout=300) as http, ThreadPoolExecutor(1) as pool:
-        long = pool.submit(http.post, "/generate", json={
-            "input_ids": prompts[0], "rid": "long", "sampling_params": greedy(200)})
-        wait_for(lambda: http.get("/get_server_info").json()["in_flight"] == 1, timeout=60)
+        whole = http.post("/generate", json=body).json()["output_ids"]
+        assert len(whole) == 200
+
+        def started(rid: str) -> Future[httpx.Response]:  # a request with some tokens out
+            before = generated_tokens(http)
+            call = pool.submit(http.post, "/generate", json={**body, "rid": rid})
+            wait_for(lambda: generated_tokens(http) > before, 120, "the request's first tokens")
+            return call
+
+        kept = started("kept")
         assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        assert http.get("/get_server_info").json()["in_flight"] == 1 and not kept.done()
         assert http.post("/continue_generation").status_code == 200
+        out = kept.result(timeout=300).json()
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert out["output_ids"] == whole
+
+        ended = started("ended")
+        assert http.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        try:
+            partials = [ended.result(timeout=60).json()]
+        finally:
+            assert http.post("/continue_generation").status_code == 200
+        by_rid = started("long")
         assert http.post("/abort_request", json={"rid": "long"}).status_code == 200
-        out = long.result(timeout=120).json()
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert 0 < len(out["output_ids"]) < 200
+        partials.append(by_rid.result(timeout=120).json())
+    for out in partials:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        n = len(out["output_ids"])
+        assert 0 < n < 200 and out["output_ids"] == whole[:n]
 
 
 def weights_body(path: Path) -> bytes:
@@ -275,7 +304,7 @@ def test_weight_updates_every_path(model_dir: Path, new_weights: Path, prompts, 
 
 def distributed_update(http: httpx.Client, weights: Path) -> None:
     """The trainer's half (rank 0 of a gloo group) beside the server's two calls."""
-    from benchmarks.serverproc import free_port
+    from benchmarks.common.servers import free_port
     from tlt_serve.weight_sync import WeightSyncGroup
 
     port = free_port()
@@ -330,9 +359,7 @@ def test_speculation_on_equals_off(model_dir: Path, prompts, offline, drafters, 
         s.stop()
     assert ids(batched) == offline["served"] and ids(alone) == offline["served"]
     assert info["proposer"] == method
-    verified = sum(o["meta_info"]["spec_verify_ct"] for o in batched + alone)
-    accepted = sum(o["meta_info"]["spec_accept_length"] * o["meta_info"]["spec_verify_ct"]
-                   for o in batched + alone)
+    verified, accepted = spec_counts(batched + alone)
     assert verified > 0 and accepted > 0
 
 
@@ -375,39 +402,63 @@ def test_drafter_hot_swap_under_load(model_dir: Path, prompts, offline, drafters
 
 
 @pytest.fixture(scope="module")
-def sliced_drafter(greedy_answers, prompts, tmp_path_factory) -> Path:
-    """A fitted drafter as the warm-up makes them: fc bias, head sliced to a draft
-    vocabulary (vLLM's own EAGLE-1 drafter has neither)."""
+def sliced_drafters(greedy_answers, prompts, tmp_path_factory) -> dict[str, Path]:
+    """``fitted``: a fitted drafter as the warm-up makes them, with an fc bias and its head
+    sliced to a draft vocabulary (vLLM's own EAGLE-1 drafter has neither). Two copies whose
+    drafts hinge on those: ``blind``'s draft vocabulary holds no token of the answers, and
+    ``steered`` has an fc bias so large that it drafts one token the answers never use."""
     llm, answers = greedy_answers
-    out = fit_drafter(llm, prompts, answers, tmp_path_factory.mktemp("sliced") / "d",
-                      draft_vocab_size=2048, steps=60)
-    assert "fc.bias" in load_file(str(out / "model.safetensors"))
-    return out
+    root = tmp_path_factory.mktemp("sliced")
+    fitted = fit_drafter(llm, prompts, answers, root / "fitted", draft_vocab_size=2048,
+                         steps=60)
+    tensors = load_file(str(fitted / "model.safetensors"))
+    vocab, used = tensors["draft_vocab"], {t for a in answers for t in a}
+    unused = [t for t in range(llm.engine.model.cfg.vocab_size) if t not in used]
+    row = llm.engine.model.lm_head.weight[next(t for t in vocab.tolist() if t not in used)]
+    changes = {"blind": {"draft_vocab": torch.tensor(unused[-len(vocab):])},
+               "steered": {"fc.bias": tensors["fc.bias"] + 50 * row.detach() / row.norm()}}
+    for name, changed in changes.items():
+        shutil.copytree(fitted, root / name)
+        save_file({**tensors, **changed}, str(root / name / "model.safetensors"))
+    return {"fitted": fitted, "blind": root / "blind", "steered": root / "steered"}
 
 
-def test_our_drafter_drafts_on_vllm_as_natively(model_dir: Path, prompts, sliced_drafter
+@pytest.mark.timeout(1200)  # a drafter fitted, two engines started, three drafters served
+def test_our_drafter_drafts_on_vllm_as_natively(model_dir: Path, prompts, sliced_drafters
                                                 ) -> None:
-    """The backend builds vLLM's drafter with our fc bias and draft vocabulary, so the same
-    prompts accept as many drafts on vLLM as natively (both K = 4 every step, fp32)."""
-    spec = SpecConfig(method="drafter", drafter=str(sliced_drafter), num_draft_tokens=4,
-                      max_batch=8, min_draft_confidence=0.0)
-    outs: dict[str, list[dict]] = {}
+    """The backend builds vLLM's drafter with our fc bias and draft vocabulary, at start and
+    on a swap, so the same prompts accept as many drafts on vLLM as natively (both K = 4 every
+    step, fp32): none of ``blind``'s or ``steered``'s (vLLM's drafter as it is would draft
+    the fitted drafter's good drafts with either), about as many of ``fitted``'s."""
+    names = ("blind", "steered", "fitted")  # the first from the start, then swapped in
+    spec = SpecConfig(method="drafter", drafter=str(sliced_drafters["blind"]),
+                      num_draft_tokens=4, max_batch=8, min_draft_confidence=0.0)
+    outs: dict[tuple[str, str], list[dict]] = {}
     for backend in ("native", "vllm"):
         s = serve(model_dir, backend=backend, spec=spec)
         try:
-            outs[backend] = [generate(s, [p], [n])[0] for p, n in zip(prompts, LENGTHS,
-                                                                        strict=True)]
+            for version, name in enumerate(names):
+                if version:
+                    with s.http(timeout=300) as http:
+                        r = http.post("/update_drafter_from_disk", json={
+                            "path": str(sliced_drafters[name]), "version": version})
+                    assert r.status_code == 200, r.text
+                outs[backend, name] = (  # the fitted drafter's counts per prompt alone
+                    [generate(s, [p], [n])[0] for p, n in zip(prompts, LENGTHS, strict=True)]
+                    if name == "fitted" else generate(s, prompts, LENGTHS))
         finally:
             s.stop()
-    assert ids(outs["vllm"]) == ids(outs["native"])
-
-    def accepted(batch: list[dict]) -> int:
-        return round(sum(o["meta_info"]["spec_accept_length"] * o["meta_info"]["spec_verify_ct"]
-                         for o in batch))
-
-    native, vllm = accepted(outs["native"]), accepted(outs["vllm"])
-    print(f"accepted drafts: native {native}, vllm {vllm}")
-    assert native > 20 and abs(vllm - native) <= 0.05 * native
+    counts = {key: spec_counts(batch) for key, batch in outs.items()}
+    print(f"(verify steps, accepted drafts): {counts}")
+    fitted = counts["native", "fitted"][1]
+    assert fitted > 20
+    assert counts["native", "blind"][1] == 0  # it can draft nothing the target says
+    assert counts["native", "steered"][1] < fitted / 4  # its bias decides its drafts
+    for name in names:
+        assert ids(outs["vllm", name]) == ids(outs["native", name])
+        (n_verify, native), (v_verify, vllm) = counts["native", name], counts["vllm", name]
+        assert n_verify > 0 and v_verify > 0, name
+        assert abs(vllm - native) <= 0.05 * fitted, name
 
 
 def test_engine_core_death_means_503(model_dir: Path) -> None:
@@ -482,8 +533,8 @@ def test_capture_feeds_the_online_trainer_which_vllm_then_serves(
     assert {o["meta_info"]["drafter_version"] for o in after} == {trainer.published_version}
 
     def accepted(outs: list[dict]) -> float:
-        return sum(o["meta_info"]["spec_accept_length"] * o["meta_info"]["spec_verify_ct"]
-                   for o in outs) / sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+        verified, drafts = spec_counts(outs)
+        return drafts / verified
 
     print(f"accept length before {accepted(before):.3f}, after {accepted(after):.3f}")
     # The first drafter the guard passes: how much better it is depends on how many samples

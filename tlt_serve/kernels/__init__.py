@@ -56,7 +56,7 @@ LayerKernel = Callable[..., torch.Tensor]
 # the default model's projections: 8 rows 16-20 vs 18 ms, 16 rows 25-27 vs 33, 64 rows 62 vs
 # 124 ms on an AVX512-BF16 EPYC, 2 threads).
 # With AVX512-BF16 the own product of bf16 rows (dot-product instructions) beats torch's up to
-# ~24-32 rows (``benchmarks/kernel_rows.py`` on a Zen 4 EPYC, 2 threads: 8 rows 11-12 vs 16-20
+# ~24-32 rows (``benchmarks.kernels rows`` on a Zen 4 EPYC, 2 threads: 8 rows 11-12 vs 16-20
 # ms, 16 rows 19-20 vs 22-26, 32 rows 33-35 vs 31-39); in one engine, plain decoding at batch
 # 24 / 32 ran +12% / +8% faster with a limit of 32 than of 16.
 MATVEC_ROWS = 128
@@ -80,22 +80,32 @@ class CpuKernels:
     layer: LayerKernel | None = None
 
 
-@cache  # one build per process; the compiled module is process-wide by nature
 def _module() -> Any:
+    return _built()[0]
+
+
+def build_error() -> str | None:
+    """Why the kernels' build failed in this process (the compiler's output), or None."""
+    return _built()[1]
+
+
+@cache  # one build per process; the compiled module is process-wide by nature
+def _built() -> tuple[Any, str | None]:
+    """(the compiled module or None, why its build failed)."""
     if os.environ.get("TLT_SERVE_NO_KERNELS") == "1":
-        return None
+        return None, None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
+        return None, None
     try:
-        log.info("building the bf16 CPU kernels (first use on this machine, ~40 s)")
-        return _build(openmp=True)
+        log.info("building the bf16 CPU kernels (first use on this machine)")
+        return _build(openmp=True), None
     except Exception as err:
         log.warning("bf16 kernels without OpenMP (single-threaded): %s", err)
         try:
-            return _build(openmp=False)
+            return _build(openmp=False), None
         except Exception as err2:  # any build problem: fall back to torch's kernels, loudly
             log.warning("bf16 kernels unavailable, using torch's: %s", err2)
-            return None
+            return None, f"{err}\n{err2}"
 
 
 def cpu_kernels() -> CpuKernels | None:
