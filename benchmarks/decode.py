@@ -492,20 +492,25 @@ def plot(result: dict[str, Any], path: Path) -> None:
     batches = sorted({b for _, cells in bars for b in cells}, key=int)
     cross = [(k, result[k]) for k in ("native_over_vllm_off", "vllm_backend_over_vllm_serve")
              if result.get(k)]
-    fig, axes = plt.subplots(1, 3 if cross else 2, figsize=(16 if cross else 11, 4.2))
+    drafting = [(name, cells) for name, cells in bars
+                if name != SERVE and not name.endswith("off")]
+    fig, axes = plt.subplots(1, 1 + bool(drafting) + bool(cross),
+                             figsize=(5.5 * (1 + bool(drafting)) + 5 * bool(cross), 4.2),
+                             squeeze=False)
+    axes = list(axes[0])
     grouped_bars(axes[0], batches, {name: {b: c["tokens_per_s"] for b, c in cells.items()}
                                     for name, cells in bars})
-    for name, cells in bars:
-        if name != SERVE and not name.endswith("off"):
-            _errorbars(axes[1], cells, "speedup", "speedup_range", name)
     axes[0].set(xlabel="batch size", ylabel="output tokens / s")
-    axes[1].set(ylabel="speedup vs off (median of paired repeats, range)")
+    if drafting:
+        for name, cells in drafting:
+            _errorbars(axes[1], cells, "speedup", "speedup_range", name)
+        axes[1].set(ylabel="speedup vs off (median of paired repeats, range)")
     for key, cells in cross:
-        _errorbars(axes[2], cells, "ratio", "range", {
+        _errorbars(axes[-1], cells, "ratio", "range", {
             "native_over_vllm_off": "native / vLLM backend (off)",
             "vllm_backend_over_vllm_serve": "vLLM backend (off) / vllm serve"}[key])
     if cross:
-        axes[2].set(ylabel="tokens/s ratio (median of paired repeats)")
+        axes[-1].set(ylabel="tokens/s ratio (median of paired repeats)")
     for ax in axes[1:]:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set(xlabel="batch size")
