@@ -96,9 +96,12 @@ class CaptureBuffer:
     def observe(
         self, committed: Iterable[tuple[Request, torch.Tensor]], weight_version: str
     ) -> None:
-        """Features [m, F] of each request's newly committed positions (read-only tensors)."""
+        """Features [m, F] of each request's newly committed positions (read-only tensors, on
+        the model's device; kept on the CPU: the buffer is host memory)."""
         if not self.enabled:
             return
+        lives: list[_Live] = []
+        chunks: list[torch.Tensor] = []  # [m, F]: lives[i]'s new features
         for req, feats in committed:
             if req.rid not in self._live:
                 self._live[req.rid] = _Live(weight_version) if self.draw() else None
@@ -106,6 +109,9 @@ class CaptureBuffer:
             if live is None:
                 continue
             live.mixed |= live.weight_version != weight_version
+            lives.append(live)
+            chunks.append(feats)
+        for live, feats in zip(lives, _to_host(chunks), strict=True):
             live.chunks.append(feats)
 
     def finish(self, reqs: Sequence[Request], drafter_version: int | None) -> None:
@@ -185,6 +191,15 @@ class CaptureBuffer:
             evicted=self._evicted,
             skipped=self._skipped,
         )
+
+
+def _to_host(feats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors [m, F] on the CPU: CPU ones as they are, device ones in one copy for all (not
+    one per tensor), each then owning its memory."""
+    if not feats or feats[0].device.type == "cpu":
+        return feats
+    host = torch.cat(feats).cpu()  # [sum m, F]
+    return [part.clone() for part in host.split([f.shape[0] for f in feats])]
 
 
 # ---- wire format (engine → trainer) ----------------------------------------------------------

@@ -30,7 +30,9 @@ class Sampler:
         greedy = [p.greedy for p in params]
         scaled = logits  # greedy rows report raw-logit logprobs (T = 1)
         if not all(greedy):
-            temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+            temps = torch.tensor(
+                [p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device
+            )  # [N]
             scaled = logits / temps.unsqueeze(1)  # [N, V]
         logprobs = torch.log_softmax(scaled, dim=-1)  # [N, V]
         if all(greedy):
@@ -39,12 +41,14 @@ class Sampler:
             filtered = apply_filters(scaled, params)  # [N, V], -inf outside the nucleus
             tokens = inverse_cdf(torch.softmax(filtered, dim=-1), self._uniforms(reqs))  # [N]
             if any(greedy):
-                tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
+                is_greedy = torch.tensor(greedy, device=logits.device)  # [N]
+                tokens = torch.where(is_greedy, logits.argmax(dim=-1), tokens)
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [N]
         return Sampled(tokens.tolist(), chosen.tolist(), top_logprobs_of(logprobs, params))
 
     def _uniforms(self, reqs: Sequence[Request]) -> torch.Tensor:
-        """One U[0, 1) draw per row [N] (fp64), from the row's generator or the shared one."""
+        """One U[0, 1) draw per row [N] (fp64), from the row's generator or the shared one:
+        CPU generators on every device, so a seed samples the same tokens on CPU and GPU."""
         u = torch.rand(len(reqs), generator=self.generator, dtype=torch.float64)
         for i, r in enumerate(reqs):
             if r.generator is not None:
@@ -55,9 +59,10 @@ class Sampler:
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row: probs [N, V] (unnormalised is fine), u [N] fp64 in [0, 1) → [N], the
     first index whose cumulative probability (fp64) exceeds u times the row's total. The one
-    draw every sampled token goes through, decoding or verifying drafts."""
+    draw every sampled token goes through, decoding or verifying drafts. ``u`` may come from
+    the CPU generators while ``probs`` sit on the model's device."""
     cdf = probs.double().cumsum(dim=-1)  # [N, V]
-    x = u.unsqueeze(1) * cdf[:, -1:]  # [N, 1]
+    x = u.to(cdf.device).unsqueeze(1) * cdf[:, -1:]  # [N, 1]
     return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
 
 
@@ -74,7 +79,7 @@ def apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     measured on the unfiltered distribution, intersected with top-k; min-p then drops tokens
     below ``min_p`` times the most likely kept token's probability. Returns a new tensor.
     """
-    N, V = scaled.shape
+    V = scaled.shape[1]
     top_k = [p.top_k if p.top_k > 0 else V for p in params]
     top_p = [p.top_p for p in params]
     out = scaled
@@ -83,7 +88,8 @@ def apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         vals, idx = scaled.topk(c, dim=-1)  # [N, c], descending
         out = _keep(scaled, vals, idx, top_k, top_p)
         mass = torch.exp(vals - scaled.logsumexp(dim=-1, keepdim=True)).sum(dim=-1)  # [N]
-        wide = [i for i in range(N) if c < V and float(mass[i]) < top_p[i] - 1e-6]
+        masses = mass.tolist() if c < V else []  # [N] one transfer, not one per row
+        wide = [i for i, m in enumerate(masses) if m < top_p[i] - 1e-6]
         if wide:  # the nucleus is wider than the candidates: sort those rows fully
             rows = scaled[wide]
             full_vals, full_idx = rows.sort(dim=-1, descending=True)
@@ -100,11 +106,12 @@ def _keep(
     top_p: Sequence[float],
 ) -> torch.Tensor:
     """-inf everywhere but the kept candidates; vals/idx [N, c] are each row's best, descending."""
-    rank = torch.arange(vals.shape[1]).unsqueeze(0)  # [1, c]
-    drop = rank >= torch.tensor(top_k).unsqueeze(1)  # [N, c]
+    rank = torch.arange(vals.shape[1], device=vals.device).unsqueeze(0)  # [1, c]
+    drop = rank >= torch.tensor(top_k, device=vals.device).unsqueeze(1)  # [N, c]
     probs = torch.exp(vals - scaled.logsumexp(dim=-1, keepdim=True))  # [N, c] true probs
     mass_before = probs.cumsum(dim=-1) - probs  # the token crossing p stays
-    drop |= mass_before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+    cut = torch.tensor(top_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)  # [N, 1]
+    drop |= mass_before >= cut
     drop[:, 0] = False
     out = torch.full_like(scaled, float("-inf"))
     return out.scatter_(1, idx, vals.masked_fill(drop, float("-inf")))
@@ -114,7 +121,8 @@ def _min_p(out: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):
         probs = torch.softmax(out, dim=-1)
-        floor = torch.tensor(min_p).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        floor = torch.tensor(min_p, device=out.device).unsqueeze(1)  # [N, 1]
+        floor = floor * probs.max(dim=-1, keepdim=True).values
         out = out.masked_fill(probs < floor, float("-inf"))
     return out
 

@@ -51,14 +51,12 @@ class Plan:
 
 
 def _chain_drafts(run: RunOutput, drafts: list[list[int]], reqs: list[Request]) -> ChainDrafts:
-    B, K = len(drafts), max(len(d) for d in drafts)
-    tokens = torch.zeros(B, K, dtype=torch.long)  # [B, K]
-    for b, d in enumerate(drafts):
-        tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
+    K, device = max(len(d) for d in drafts), run.logits.device
+    padded = [d + [0] * (K - len(d)) for d in drafts]  # one copy to the device, not one per row
     return ChainDrafts(
         target_logits=run.logits[:, : K + 1],
-        draft_tokens=tokens,
-        num_drafts=torch.tensor([len(d) for d in drafts]),
+        draft_tokens=torch.tensor(padded, dtype=torch.long, device=device),  # [B, K]
+        num_drafts=torch.tensor([len(d) for d in drafts], device=device),  # [B]
         params=tuple(r.params for r in reqs),
     )
 

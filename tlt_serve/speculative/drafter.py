@@ -144,6 +144,6 @@ def new_drafter(target: LlamaModel, spec: DrafterSpec, seed: int = 0) -> Drafter
     H = cfg.hidden_size
     with torch.no_grad():
         model.fc.weight.zero_()
-        model.fc.weight[:, H:].copy_(torch.eye(H))
+        model.fc.weight[:, H:].copy_(torch.eye(H, device=model.fc.weight.device))
         model.fc.bias.zero_()
     return model

@@ -54,12 +54,12 @@ def expand_tree(
     nodes: list[list[_Node]] = [[_Node(-1, -1, 0.0, 0)] for _ in range(B)]
     logq = torch.log_softmax(drafter.draft_logits(root_feature), dim=-1)  # [B, Vd]
     scores, index = logq.topk(k, dim=-1)  # [B, k]
-    tokens = drafter.to_token_ids(index)  # [B, k]
+    tokens, scores_l = drafter.to_token_ids(index).tolist(), scores.tolist()  # [B][k] each
     frontier = []  # [B][k] node ids
     for b in range(B):
         ids = []
         for s in range(k):
-            nodes[b].append(_Node(int(tokens[b, s]), 0, float(scores[b, s]), 1))
+            nodes[b].append(_Node(tokens[b][s], 0, scores_l[b][s], 1))
             ids.append(len(nodes[b]) - 1)
         frontier.append(ids)
     feats = root_feature.unsqueeze(1).expand(B, k, -1)  # [B, k, H] parent features

@@ -56,6 +56,7 @@ class ChainDrafts:
     drafter's own temperature / filters); ``None`` means deterministic drafts (q one-hot).
     Entries after ``num_drafts[b]`` (tokens, probabilities, logits beyond position n) are
     padding and ignored. ``params[b]`` supplies temperature, top-k, top-p, min-p and greedy.
+    The tensors live on one device, the target logits'.
     """
 
     target_logits: torch.Tensor  # [B, K+1, V] fp32
@@ -156,7 +157,7 @@ def drawer(
 ) -> Callable[[int], int]:
     """Draws the token at position j of one row's logits [Q, V] exactly as the engine's
     sampler would there (temperature, filters, its next uniform, ``inverse_cdf``)."""
-    temp = torch.tensor([params.temperature])  # [1] fp32, as the sampler divides
+    temp = torch.tensor([params.temperature], device=logits.device)  # [1] fp32, as in the sampler
 
     def draw(j: int) -> int:
         scaled = logits[j : j + 1] / temp.unsqueeze(1)  # [1, V]
@@ -177,10 +178,14 @@ def target_logprobs(
     when asked for: computed for those positions only."""
     at_row = [b for b, pos in enumerate(positions) for _ in pos]  # [T]
     per_tok = [params[b] for b in at_row]
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in per_tok])  # [T]
+    temps = torch.tensor(
+        [1.0 if p.greedy else p.temperature for p in per_tok], device=logits.device
+    )  # [T]
     picked = logits[at_row, [j for pos in positions for j in pos]]  # [T, V]
     logprobs = torch.log_softmax(picked / temps.unsqueeze(1), dim=-1)  # [T, V]
-    flat = torch.tensor([t for row in tokens for t in row], dtype=torch.long)  # [T]
+    flat = torch.tensor(
+        [t for row in tokens for t in row], dtype=torch.long, device=logits.device
+    )  # [T]
     chosen = logprobs.gather(1, flat.unsqueeze(1)).squeeze(1).tolist()  # [T]
     tops = top_logprobs_of(logprobs, per_tok)  # [T][top] or None
     lps: list[list[float]] = []
@@ -211,13 +216,16 @@ def _reject(
     logits, params = drafts.target_logits, drafts.params
     B, K1, V = logits.shape
     K = K1 - 1
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])  # [B]
+    temps = torch.tensor(
+        [1.0 if p.greedy else p.temperature for p in params], device=logits.device
+    )  # [B]
     per_pos = [p for p in params for _ in range(K1)]  # [B*(K+1)] settings, row-major
     p = _filtered_probs(logits / temps.view(B, 1, 1), per_pos)  # [B, K+1, V]
-    valid = torch.arange(K).unsqueeze(0) < drafts.num_drafts.unsqueeze(1)  # [B, K]
+    valid = torch.arange(K, device=logits.device) < drafts.num_drafts.unsqueeze(1)  # [B, K]
     d = torch.where(valid, drafts.draft_tokens, 0)  # [B, K] padding -> a safe index
-    sampled = torch.tensor([not prm.greedy for prm in params])  # [B]
-    u = _uniforms(drafts.num_drafts, sampled, generators, shared, K)  # [B, K+1] fp64
+    sampled = [not prm.greedy for prm in params]  # [B]
+    u = _uniforms(drafts.num_drafts.tolist(), sampled, generators, shared, K)  # [B, K+1] fp64
+    u = u.to(logits.device)  # drawn on the CPU generators
     # fp64 only on gathered values: a [B, K+1, V] fp64 copy would be ~100 MB at V=49k.
     p_d = p[:, :K].gather(2, d.unsqueeze(2)).squeeze(2).double()  # [B, K]
     q = drafts.draft_probs
@@ -230,8 +238,8 @@ def _reject(
 
 
 def _uniforms(
-    num_drafts: torch.Tensor,
-    sampled: torch.Tensor,
+    num_drafts: Sequence[int],
+    sampled: Sequence[bool],
     generators: Sequence[torch.Generator | None] | None,
     shared: torch.Generator | None,
     K: int,
@@ -241,13 +249,13 @@ def _uniforms(
     Rows with their own generator draw exactly n + 1 values from it (batch-independent);
     the rest come from one draw on ``shared``. Greedy rows keep the shared values, unused.
     """
-    u = torch.rand(num_drafts.shape[0], K + 1, generator=shared, dtype=torch.float64)
+    u = torch.rand(len(num_drafts), K + 1, generator=shared, dtype=torch.float64)
     if generators is None:
         return u
     for b, gen in enumerate(generators):
-        if gen is None or not bool(sampled[b]):
+        if gen is None or not sampled[b]:
             continue
-        n = int(num_drafts[b])
+        n = num_drafts[b]
         own = torch.rand(n + 1, generator=gen, dtype=torch.float64)
         u[b, :n] = own[:n]
         u[b, K] = own[n]
@@ -263,7 +271,8 @@ def _correction(
     their drafts sample the bonus from p at position n (q taken as 0 there).
     """
     B = p.shape[0]
-    p_a = p[torch.arange(B), num_acc].double()  # [B, V] target at the first unaccepted position
+    rows = torch.arange(B, device=p.device)  # [B]
+    p_a = p[rows, num_acc].double()  # [B, V] target at the first unaccepted position
     rejected = num_acc < drafts.num_drafts  # [B]
     residual = (p_a - _draft_dist_at(drafts, num_acc, rejected)).clamp_min(0.0)  # [B, V]
     # A rejection implies p(d) < q(d), so the residual has mass TV(p, q) > 0; fall back to p
@@ -276,9 +285,9 @@ def _draft_dist_at(drafts: ChainDrafts, pos: torch.Tensor, rejected: torch.Tenso
     """q at each row's rejected position [B, V] fp64; zeros where nothing was rejected."""
     B, K1, V = drafts.target_logits.shape
     if K1 == 1:
-        return torch.zeros(B, V, dtype=torch.float64)
+        return torch.zeros(B, V, dtype=torch.float64, device=drafts.target_logits.device)
     at = pos.clamp(max=K1 - 2)  # [B] bonus rows point anywhere valid; masked below
     q = drafts.draft_probs
     assert q is not None
-    q_a = q[torch.arange(B), at].double()  # [B, V]
+    q_a = q[torch.arange(B, device=q.device), at].double()  # [B, V]
     return torch.where(rejected.unsqueeze(1), q_a, 0.0)  # where, not *: padding may be NaN
