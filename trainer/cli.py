@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from tlt_serve.devices import device_problem
 from trainer.data import PROMPT_SOURCES, DataConfig
 from trainer.fleet_link import FleetLink
 from trainer.link import LinkError, ServerLink
@@ -166,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--eval-every", type=int, default=oc.eval_every, metavar="STEPS")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--threads", type=int, default=None, metavar="N")
+    o.add_argument("--device", default=oc.device, metavar="DEV",
+                   help="where the drafter trains: cpu, cuda or cuda:N (beside the engine on "
+                   "its GPU, in the gaps it leaves)")
+    o.add_argument("--memory-gib", type=float, default=0.0, metavar="G",
+                   help="on a GPU: the most the trainer allocates there (its share beside the "
+                   "engine; 0: no cap)")
     o.add_argument("--log-level", default="info")
     e = sub.add_parser(
         "export-vllm",
@@ -203,6 +210,8 @@ def online_config(args: argparse.Namespace) -> OnlineConfig:
         accum=args.accum,
         eval_every=args.eval_every,
         seed=args.seed,
+        device=args.device,
+        memory_bytes=int(args.memory_gib * 2**30),
     )
 
 
@@ -215,6 +224,14 @@ def run_online(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error(str(err))
     if args.threads:
         torch.set_num_threads(args.threads)
+    if (why := device_problem(cfg.device)) is not None:
+        parser.exit(2, f"tlt-train: {why}\n")
+    if cfg.memory_bytes and cfg.device.startswith("cuda"):
+        device = torch.device(cfg.device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        # the caching allocator refuses to grow past this share: an OOM in the trainer,
+        # never in the engine beside it
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory_bytes / total), device)
     link: ServerLink | FleetLink
     if args.fleet:
         link = FleetLink(args.fleet, cfg.api_key, lend_cores=not args.no_lend_cores)

@@ -62,7 +62,9 @@ def prepare_heldout(
 ) -> list[HeldOut]:
     """Target argmax (full vocabulary) of every held-out slot, computed once."""
     out = []
+    device = drafter.fc.weight.device
     for b in batches:
+        b = b.to(device)  # held on the trainer's device while it is evaluated
         B, Q, H = b.targets.shape
         flat = b.targets.reshape(B * Q, H)  # [BQ, H]
         arg = torch.cat(
@@ -102,7 +104,7 @@ def offline_accept(drafter: DrafterModel, heldout: Sequence[HeldOut], depth: int
         drafts = chain_drafts(drafter, b, depth)  # depth x [B, Q]
         start = b.eval_mask  # [B, Q] chains that start at a response position
         alive = start.clone()
-        lengths = torch.zeros(b.seg.shape, dtype=torch.long)  # [B, Q] accepted per chain
+        lengths = torch.zeros(b.seg.shape, dtype=torch.long, device=b.seg.device)  # [B, Q]
         for j in range(depth):
             ok = (
                 (drafts[j] == shift(h.target_argmax, j))

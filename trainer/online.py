@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from tlt_serve.devices import is_device
 from tlt_serve.speculative.checkpoint import load_drafter, save_drafter
 from tlt_serve.speculative.drafter import DrafterModel, DrafterSpec, new_drafter
 from trainer.data import build_draft_vocab
@@ -77,10 +78,16 @@ class OnlineConfig:
     report_every_s: float = 2.0
     loss: TrainConfig = field(default_factory=lambda: TrainConfig(unroll=2))
     store: StoreConfig = field(default_factory=StoreConfig)
+    device: str = "cpu"  # where the drafter trains (cuda: beside the engine on its GPU)
+    memory_bytes: int = 0  # on a GPU: the most the trainer may allocate there (0: no cap)
 
     def validate(self) -> None:
         if not self.state_dir:
             raise ValueError("state_dir: a directory for checkpoints is required")
+        if not is_device(self.device):
+            raise ValueError(f"device: {self.device!r} is not cpu, cuda or cuda:N")
+        if self.memory_bytes < 0:
+            raise ValueError(f"memory_bytes: must be >= 0, got {self.memory_bytes}")
         for name in ("rows", "row_len", "accum", "eval_every", "eval_rows", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -113,8 +120,10 @@ class OnlineTrainer:
         self._resume_opt: dict[str, Any] | None = None
         self.resumed_from: tuple[str, int] | None = None  # (checkpoint, its step)
         self.fresh = False  # a new drafter, not a given or resumed one: it may be sliced
+        self.device = torch.device(cfg.device)
         target = link.target()
-        self.stub = head_stub(target.cfg, target.tensors, max_positions=1 << 14)
+        tensors = {k: v.to(self.device) for k, v in target.tensors.items()}
+        self.stub = head_stub(target.cfg, tensors, max_positions=1 << 14)
         self.target_version = target.weight_version
         self.hf_config = target.hf_config
         self.drafter = self._initial_drafter(link.drafter_info())
@@ -248,6 +257,7 @@ class OnlineTrainer:
             self.noise_std = feature_std([s.sample for s in self.store.train])
         lc = self.cfg.loss
         noise = feature_noise(batch.features.shape, lc, self.noise_std, self.gen)
+        batch, noise = batch.to(self.device), noise.to(self.device)  # [rows, row_len, F]
         loss, _, _ = step_loss(self.drafter, batch, lc, noise)
         if loss.requires_grad:
             (loss / self.cfg.accum).backward()  # type: ignore[no-untyped-call]
@@ -344,6 +354,10 @@ class OnlineTrainer:
             "last_candidate": self.verdict,
             "resumed_from": None if self.resumed_from is None else self.resumed_from[0],
             "resumed_step": None if self.resumed_from is None else self.resumed_from[1],
+            "device": str(self.device),
+            "memory_budget_bytes": self.cfg.memory_bytes or None,
+            "memory_peak_bytes": (torch.cuda.max_memory_allocated(self.device)
+                                  if self.device.type == "cuda" else None),
         }
 
     def report(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -38,6 +38,12 @@ class PackedBatch:
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The same batch on ``device`` (itself when already there)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        return PackedBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def segments(samples: Sequence[Sample], row_len: int) -> list[Segment]:

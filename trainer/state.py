@@ -42,7 +42,8 @@ def load_latest(state_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest readable checkpoint (path, payload), or None when there is none."""
     for path in checkpoints(state_dir):
         try:
-            payload = torch.load(path, weights_only=True)
+            # on the CPU: a restart may train elsewhere; loading moves it to the trainer's device
+            payload = torch.load(path, weights_only=True, map_location="cpu")
             missing = [k for k in REQUIRED if k not in payload]
             if missing:
                 raise ValueError(f"missing {missing}")

@@ -29,9 +29,14 @@ VLLM_INSTALL = "bash scripts/install.sh --vllm"
 
 def missing(backend: str) -> str | None:
     """Why ``backend`` cannot run in this environment (one line), or None when it can."""
-    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+    if backend != "vllm":
+        return None
+    if importlib.util.find_spec("vllm") is None:
         return f"--backend vllm: vLLM is not installed in this environment; run {VLLM_INSTALL}"
-    return None
+    from tlt_serve.backends.vllm.compat import installed_version, version_problem
+
+    why = version_problem(installed_version())
+    return None if why is None else f"--backend vllm: {why}"
 
 
 def entry_point(backend: str) -> Callable[[Any, Connection, str], None]:

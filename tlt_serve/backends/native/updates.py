@@ -28,7 +28,7 @@ from tlt_serve.engine.engine import Engine
 from tlt_serve.models.loader import WeightError, checkpoint_names, load_weights, served_tensors
 from tlt_serve.speculative.checkpoint import load_drafter
 from tlt_serve.speculative.decoder import SpecDecoder
-from tlt_serve.weight_sync import TensorSpec, WeightSyncGroup
+from tlt_serve.weight_sync import TensorSpec, WeightSyncGroup, receive_device
 
 log = logging.getLogger("tlt_serve.native")
 
@@ -87,8 +87,9 @@ class EngineUpdates:
         """Join the trainer's weight-broadcast group (blocks until every rank has joined or
         ``timeout_s``)."""
         try:
+            device = receive_device(backend, self.engine.config.model.device)
             self.sync = WeightSyncGroup(master_address, master_port, rank, world_size, backend,
-                                        timeout_s=timeout_s, device=self.engine.config.model.device)
+                                        timeout_s=timeout_s, device=device)
         except (RuntimeError, ValueError) as err:  # rendezvous timeout, refused, bad args
             raise ControlError(f"init_weights_update_group failed: {err}") from err
         return WeightsUpdated(f"joined as rank {rank} of {world_size}", self.engine.weight_version)

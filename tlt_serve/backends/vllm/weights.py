@@ -33,7 +33,7 @@ from tlt_serve.contract.controls import (
     WeightsUpdated,
     next_version,
 )
-from tlt_serve.weight_sync import TensorSpec, WeightSyncGroup
+from tlt_serve.weight_sync import TensorSpec, WeightSyncGroup, receive_device
 
 FLOAT_DTYPES = {"F32", "BF16", "F16"}
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -90,8 +90,10 @@ def check_update(
 
 class VllmWeights:
     def __init__(self, state: VllmState, rpc: WorkerRpc, lock: asyncio.Lock,
-                 abort_all: Callable[[], Awaitable[None]], scratch: Path) -> None:
+                 abort_all: Callable[[], Awaitable[None]], scratch: Path,
+                 device: str = "cpu") -> None:
         self.state = state
+        self.device = device  # where vLLM runs: "cuda" or "cpu" (its CPU build)
         self.rpc = rpc
         self.lock = lock  # one weight / drafter change at a time
         self.abort_all = abort_all
@@ -141,9 +143,10 @@ class VllmWeights:
             raise ControlError("busy: a weight-sync call is still in progress")
         self.syncing = True
         try:
+            device = receive_device(op.backend, self.device)
             self.sync = await asyncio.to_thread(
                 WeightSyncGroup, op.master_address, op.master_port, op.rank_offset,
-                op.world_size, op.backend, op.timeout_s)
+                op.world_size, op.backend, op.timeout_s, device)
         except (RuntimeError, ValueError) as err:
             raise ControlError(f"init_weights_update_group failed: {err}") from err
         finally:
@@ -173,7 +176,8 @@ class VllmWeights:
         path = self.scratch / "distributed.safetensors"
         from safetensors.torch import save_file
 
-        await asyncio.to_thread(save_file, {n: t.contiguous() for n, t in received}, str(path))
+        await asyncio.to_thread(
+            save_file, {n: t.contiguous().cpu() for n, t in received}, str(path))
         try:
             return await self._apply([path], update, op.weight_version, op.abort_all)
         finally:

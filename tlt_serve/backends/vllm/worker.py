@@ -91,37 +91,48 @@ class TltWorker:
         save_file({k: v.detach().float().contiguous() for k, v in tensors.items()}, path,
                   metadata=meta)
 
+    # ---- the model runner this backend reaches into ----------------------------------------
+    def tlt_probe(self) -> dict[str, Any]:
+        """What the backend relies on in vLLM's model runner (``runner.check_runner``)."""
+        runner = self.model_runner
+        drafter = getattr(runner, "drafter", None)
+        batch = getattr(runner, "input_batch", None)
+        draft_model = (runner.get_draft_model() if hasattr(runner, "get_draft_model")
+                       else None)
+        return {
+            "runner": type(runner).__name__,
+            "req_ids": isinstance(getattr(batch, "req_ids", None), list),
+            "get_draft_model": hasattr(runner, "get_draft_model"),
+            "drafter": None if drafter is None else type(drafter).__name__,
+            "propose": callable(getattr(drafter, "propose", None)),
+            "draft_model": None if draft_model is None else type(draft_model).__name__,
+        }
+
     # ---- capture: the target features vLLM hands its EAGLE drafter --------------------------
     def tlt_capture_start(self) -> bool:
         """Keep, per request, the target's final hidden state of every position it commits,
         as vLLM passes them to its EAGLE drafter each step (prefill chunks whole; of a verify
         step's [last token, drafts] only the accepted prefix): the drafter's own inputs, at
-        no extra compute. False when no EAGLE drafter runs (nothing to hook)."""
+        no extra compute and without a host sync (``step_copy.py``). False when no EAGLE
+        drafter runs (nothing to hook)."""
+        from tlt_serve.backends.vllm.step_copy import StepCopies
+
         drafter = getattr(self.model_runner, "drafter", None)
         if drafter is None or not hasattr(drafter, "propose"):
             return False
-        self._tlt_segments: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        self._tlt_steps = StepCopies()
         propose = drafter.propose
 
         def capturing(**kw: Any) -> Any:
-            self._tlt_keep(kw)
+            starts = kw["common_attn_metadata"].query_start_loc_cpu.tolist()  # [R + 1]
+            self._tlt_steps.add(
+                self.model_runner.input_batch.req_ids[: len(starts) - 1], starts,
+                kw["target_token_ids"], kw["target_positions"], kw["target_hidden_states"],
+                kw.get("num_rejected_tokens_gpu"))
             return propose(**kw)
 
         drafter.propose = capturing
         return True
-
-    def _tlt_keep(self, kw: dict[str, Any]) -> None:
-        starts = kw["common_attn_metadata"].query_start_loc_cpu.tolist()  # [R + 1]
-        rejected = kw.get("num_rejected_tokens_gpu")
-        rejected = [0] * len(starts) if rejected is None else rejected.cpu().tolist()
-        hidden = kw["target_hidden_states"].detach().cpu()  # [T, H]
-        tokens = kw["target_token_ids"].detach().cpu()  # [T]
-        positions = kw["target_positions"].detach().cpu()  # [T]
-        for r, rid in enumerate(self.model_runner.input_batch.req_ids[: len(starts) - 1]):
-            a, keep = starts[r], starts[r + 1] - starts[r] - rejected[r]
-            if keep > 0:
-                self._tlt_segments.setdefault(rid, []).append(
-                    (int(positions[a]), tokens[a:a + keep].clone(), hidden[a:a + keep].clone()))
 
     def tlt_capture_take(self, rids: list[str], path: str) -> list[str]:
         """Write the kept positions of the finished requests ``rids`` to ``path`` (per
@@ -133,7 +144,7 @@ class TltWorker:
         out: dict[str, torch.Tensor] = {}
         written: list[str] = []
         for rid in rids:
-            segments = sorted(self._tlt_segments.pop(rid, []), key=lambda s: s[0])
+            segments = self._tlt_steps.take(rid)
             if not segments or any(s[0] + len(s[1]) != t[0]
                                    for s, t in zip(segments, segments[1:], strict=False)):
                 continue
@@ -147,4 +158,4 @@ class TltWorker:
 
     def tlt_capture_drop(self, rids: list[str]) -> None:
         for rid in rids:
-            self._tlt_segments.pop(rid, None)
+            self._tlt_steps.drop(rid)

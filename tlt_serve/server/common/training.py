@@ -54,6 +54,9 @@ class TrainerReport(Struct, forbid_unknown_fields=True):
     last_candidate: dict[str, Any] | None = None  # the promotion guard's last verdict
     resumed_from: str | None = None  # the checkpoint this process started from
     resumed_step: int | None = None  # that checkpoint's step
+    device: str = "cpu"  # where it trains
+    memory_budget_bytes: int | None = None  # on a GPU: its cap there
+    memory_peak_bytes: int | None = None  # on a GPU: the most it has allocated there
 
 
 @dataclass
@@ -106,6 +109,9 @@ def trainer_command(config: ServerConfig, url: str) -> list[str]:
         cmd += ["--init", config.engine.spec.drafter]
     if config.training.threads:
         cmd += ["--threads", str(config.training.threads)]
+    cmd += ["--device", config.training.device]
+    if config.training.memory_bytes:
+        cmd += ["--memory-gib", f"{config.training.memory_bytes / 2**30:g}"]
     return cmd
 
 
