@@ -358,6 +358,26 @@ def cpu_profile(path: Path, method: str, spec_max_batch: int) -> Profile:
                    f"{path.name} ({method}; {d.get('machine', 'host not recorded')})")
 
 
+def device_profile(path: Path, shape: str, k: int, accept: float, spec_max_batch: int,
+                   max_seqs: int) -> Profile:
+    """From a ``profile steps`` result: t(b) = a plain step of ``shape`` at batch b (from its
+    CUDA graph where measured), r(b) = a verify step of depth ``k`` / a plain step; the
+    accepted drafts per verify are not measured there: ``accept`` is assumed."""
+    d = json.loads(path.read_text())
+    if shape not in d["shapes"]:
+        raise SystemExit(f"{path}: no shape {shape!r} (it has {', '.join(d['shapes'])})")
+    rows = d["shapes"][shape]["rows"]
+    mode = "graph_ms" if all("graph_ms" in r for r in rows) else "eager_ms"
+    plain = {r["batch"]: r[mode] / 1000 for r in rows if r["k"] == 0}
+    cost = {r["batch"]: r[mode] / 1000 / plain[r["batch"]] for r in rows if r["k"] == k}
+    if not cost:
+        raise SystemExit(f"{path}: no verify steps of k = {k} for {shape}")
+    return Profile(d["device"].replace(" ", "-").lower(), loglog(plain), lambda b: accept,
+                   loglog(cost), spec_max_batch, max_seqs,
+                   f"{path.name} ({shape}, k = {k}, {mode.split('_')[0]}; {d['device']}, "
+                   f"{d['date']}; accept {accept} drafts per verify assumed)")
+
+
 def h100_profile() -> Profile:
     return Profile("h100", lambda b: 0.020 * (1 + b / 256), lambda b: 3.6, lambda b: 1.3,
                    32, 256, "assumed after the TLT paper (7B-class target, one H100)")
@@ -426,14 +446,19 @@ def sim(a: argparse.Namespace) -> Path:
     result measured on this machine kind (``--measured``); ``h100`` is a stated assumption
     for a 7B-class target on one H100 after the TLT paper (memory-bound decode: t(b) = 20 ms
     x (1 + b / 256); tree speculation accepting 3.6 drafts per verify at 1.3x a step's cost,
-    i.e. about 3.5x at batch 1, in the paper's range; speculation at batch <= 32)."""
+    i.e. about 3.5x at batch 1, in the paper's range; speculation at batch <= 32). With
+    ``--profile`` (a ``profile steps`` result measured on a GPU) the second profile takes
+    t(b) and r(b) from it instead, for one model shape and verify depth; its accept length
+    stays an assumption (``--profile-accept``)."""
     for path, how in ((a.lengths, "python -m benchmarks.rollout load"),
                       (a.measured, "python -m benchmarks.decode offline --drafter D")):
         if not Path(path).is_file():
             raise SystemExit(f"{path}: no such result; measure it first ({how})")
     pool = [int(x) for x in json.loads(Path(a.lengths).read_text())["results"]["off"]["lengths"]]
     profiles: dict[str, Any] = {}
-    for p in (cpu_profile(Path(a.measured), a.method, 8), h100_profile()):
+    device = (device_profile(Path(a.profile), a.profile_shape, a.profile_k, a.profile_accept,
+                             32, 256) if a.profile else h100_profile())
+    for p in (cpu_profile(Path(a.measured), a.method, 8), device):
         rows = simulate(p, pool, a.sequences, a.replicas, a.trials, a.seed)
         profiles[p.name] = {
             "source": p.source, "spec_max_batch": p.spec_max_batch, "max_seqs": p.max_seqs,
@@ -479,6 +504,13 @@ def _sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measured", default=str(RESULTS / "decode_offline.json"),
                    help="a `decode offline` result: the cpu profile's step times and accept")
     p.add_argument("--method", default="drafter", help="its speculation method")
+    p.add_argument("--profile", default=None, metavar="JSON",
+                   help="a `profile steps` result measured on a GPU: its step and verify "
+                   "costs replace the assumed H100 figures")
+    p.add_argument("--profile-shape", default="8b", help="the profile's model shape")
+    p.add_argument("--profile-k", type=int, default=4, help="the verify depth it takes")
+    p.add_argument("--profile-accept", type=float, default=3.6,
+                   help="accepted drafts per verify assumed with the profile")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
 
