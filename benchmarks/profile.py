@@ -280,8 +280,12 @@ def steps(a: argparse.Namespace) -> Path:
             with torch.inference_mode():
                 row: dict[str, Any] = {"batch": b, "k": k, "eager_ms": round(timer(step.eager), 4)}
                 if graphs:
-                    step.capture()
-                    row["graph_ms"] = round(timer(step.replay), 4)
+                    try:
+                        step.capture()
+                        row["graph_ms"] = round(timer(step.replay), 4)
+                    except RuntimeError as err:  # measured eagerly still; the reason kept
+                        row["graph_error"] = str(err).splitlines()[0][:300]
+                        print(f"{shape} batch {b} k {k}: no CUDA graph: {row['graph_error']}")
                     step.graph = None
             if k == 0 and a.bandwidth_gbs:
                 floor = (wbytes + b * a.context * per_token_kv) / (a.bandwidth_gbs * 1e6)

@@ -80,15 +80,15 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 git log -1 --format='commit %h %cd' 2>/dev/null || true
 
 if [ "$DEVICE" = cuda ]; then
-  part tests 240 env TLT_REQUIRE_CUDA=1 "$PY" -m pytest -q --noconftest -p no:cacheprovider \
+  part tests 120 env TLT_REQUIRE_CUDA=1 "$PY" -m pytest -q --noconftest -p no:cacheprovider \
     tests/test_cuda.py tests/test_step_copy.py tests/test_devices.py
-  part profile 270 "$PY" -m benchmarks.profile steps --device cuda --shapes 0.5b,1.7b,8b \
-    --k 1,2,4,8 --iters 5 --repeats 3 --bandwidth-gbs 4300 --budget-s 200 \
+  part profile 210 "$PY" -m benchmarks.profile steps --device cuda --shapes 1.7b,0.5b,8b \
+    --k 1,2,4,8 --iters 5 --repeats 3 --bandwidth-gbs 4300 --budget-s 150 \
     --out "$DEST/profile_steps.json"
-  part beside 100 "$PY" -m benchmarks.profile beside --device cuda --shape 1.7b --batch 16 \
+  part beside 70 "$PY" -m benchmarks.profile beside --device cuda --shape 1.7b --batch 16 \
     --out "$DEST/profile_beside.json"
 else
-  part tests 600 "$PY" -m pytest -q --noconftest -p no:cacheprovider \
+  part tests 600 env TLT_TEST_DEVICE=cpu "$PY" -m pytest -q --noconftest -p no:cacheprovider \
     tests/test_cuda.py tests/test_step_copy.py tests/test_devices.py
   part profile 600 "$PY" -m benchmarks.profile steps --device cpu --shapes tiny --batches 1,4 \
     --k 1,4 --context 128 --iters 2 --repeats 1 --train-rows 1 --train-row-len 64 \

@@ -6,7 +6,9 @@ generators); the sampler and the chain verifier give on CUDA logits what they gi
 logits on the CPU.
 
 Self-contained (no conftest, no server): ``scripts/gpu_check.sh`` runs it on a GPU machine
-with ``--noconftest``. Skipped without a CUDA device unless ``TLT_REQUIRE_CUDA=1``.
+with ``--noconftest``. Skipped without a CUDA device unless ``TLT_REQUIRE_CUDA=1``;
+``TLT_TEST_DEVICE=cpu`` runs the same code with the CPU in the GPU's place (the check's dry
+run: it shows the tests themselves work, not anything about a GPU).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from tests.tiny import make_tiny_drafter, make_tiny_model
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 
-if not torch.cuda.is_available():
+DEVICE = os.environ.get("TLT_TEST_DEVICE", "cuda")
+if DEVICE == "cuda" and not torch.cuda.is_available():
     if os.environ.get("TLT_REQUIRE_CUDA") == "1":
         pytest.fail("no CUDA device; TLT_REQUIRE_CUDA=1 requires one", pytrace=False)
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -73,8 +76,8 @@ def specs(models: dict[str, Path]) -> dict[str, SpecConfig]:
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_speculation_on_cuda_equals_plain_decoding(models, name, sampling) -> None:
     params = greedy() if sampling == "greedy" else seeded()
-    plain = llm(models, "cuda").generate(PROMPTS, params)
-    spec = llm(models, "cuda", specs(models)[name])
+    plain = llm(models, DEVICE).generate(PROMPTS, params)
+    spec = llm(models, DEVICE, specs(models)[name])
     batched = spec.generate(PROMPTS, params)
     alone = [spec.generate([p], [sp])[0] for p, sp in zip(PROMPTS, params, strict=True)]
     for ref, got_b, got_1 in zip(plain, batched, alone, strict=True):
@@ -83,14 +86,14 @@ def test_speculation_on_cuda_equals_plain_decoding(models, name, sampling) -> No
         torch.testing.assert_close(b.logprobs, r.logprobs, atol=1e-4, rtol=0)
         torch.testing.assert_close(one.logprobs, r.logprobs, atol=1e-4, rtol=0)
     assert spec.engine.stats.spec.steps > 0
-    assert spec.engine.kv.storage.device.type == "cuda"
+    assert spec.engine.kv.storage.device.type == DEVICE
 
 
 def test_cuda_samples_what_the_cpu_samples(models) -> None:
     """Same weights, fp32, seeded: the first tokens agree with the CPU engine's and their
     logprobs to fp32 GEMM tolerance (later tokens may part where two logits all but tie)."""
     params = seeded()
-    gpu = llm(models, "cuda").generate(PROMPTS, params)
+    gpu = llm(models, DEVICE).generate(PROMPTS, params)
     cpu = llm(models, "cpu").generate(PROMPTS, params)
     for g, c in zip(gpu, cpu, strict=True):
         assert g.samples[0].token_ids[:4] == c.samples[0].token_ids[:4]
@@ -112,7 +115,7 @@ def test_sampler_and_verifier_on_cuda_logits_match_the_cpu() -> None:
     drafts = torch.randint(0, 300, (4, 4), generator=g)
     drafts[0] = logits[0, :4].argmax(dim=-1)  # a row whose greedy drafts are all accepted
     out = {}
-    for device in ("cpu", "cuda"):
+    for device in ("cpu", DEVICE):
         sampled = Sampler(7).sample(logits[:, 0].to(device), reqs)
         chain = ChainDrafts(logits.to(device), drafts.to(device),
                             torch.full((4,), 4, device=device), tuple(params))
@@ -120,10 +123,12 @@ def test_sampler_and_verifier_on_cuda_logits_match_the_cpu() -> None:
         out[device] = (sampled.token_ids, verified.num_accepted, verified.token_ids)
         lps = (sampled.logprobs, verified.logprobs)
         out[device + "_lp"] = lps
-    assert out["cuda"] == out["cpu"]
-    assert out["cuda"][1][0] == 4
-    for a, b in zip(out["cuda_lp"], out["cpu_lp"], strict=True):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    assert out[DEVICE] == out["cpu"]
+    assert out[DEVICE][1][0] == 4
+    (s_gpu, v_gpu), (s_cpu, v_cpu) = out[DEVICE + "_lp"], out["cpu_lp"]
+    torch.testing.assert_close(s_gpu, s_cpu, atol=1e-4, rtol=0)
+    for row_gpu, row_cpu in zip(v_gpu, v_cpu, strict=True):  # ragged: accepted + 1 per row
+        torch.testing.assert_close(row_gpu, row_cpu, atol=1e-4, rtol=0)
 
 
 def test_the_drafter_trains_on_cuda_within_its_memory_budget(models) -> None:
@@ -135,7 +140,9 @@ def test_the_drafter_trains_on_cuda_within_its_memory_budget(models) -> None:
     from trainer.target import head_target
     from trainer.train import TrainConfig, make_optimizer, step_loss
 
-    device = torch.device("cuda")
+    if DEVICE != "cuda":
+        pytest.skip("a memory budget is the CUDA caching allocator's")
+    device = torch.device("cuda", torch.cuda.current_device())  # the share is per index
     target = build_model(models["target"], torch.float32, 256, "cuda")
     drafter = new_drafter(head_target(target, 256), DrafterSpec()).train()
     H = target.cfg.hidden_size

@@ -228,6 +228,8 @@ def run_online(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.exit(2, f"tlt-train: {why}\n")
     if cfg.memory_bytes and cfg.device.startswith("cuda"):
         device = torch.device(cfg.device)
+        if device.index is None:  # the allocator's share is per device index
+            device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
         # the caching allocator refuses to grow past this share: an OOM in the trainer,
         # never in the engine beside it
