@@ -40,10 +40,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"target": target, "drafter": make_tiny_drafter(target, root / "drafter", seed=1)}
 
 
-def llm(models: dict[str, Path], device: str, spec: SpecConfig | None = None) -> LLM:
+def llm(models: dict[str, Path], device: str, spec: SpecConfig | None = None,
+        eager: bool = False) -> LLM:
     return LLM(config=EngineConfig(
         model=ModelConfig(model=str(models["target"]), dtype="float32", max_model_len=256,
-                          device=device),
+                          device=device, enforce_eager=eager),
         cache=CacheConfig(max_num_seqs=8),
         spec=spec or SpecConfig(),
     ))
@@ -87,6 +88,30 @@ def test_speculation_on_cuda_equals_plain_decoding(models, name, sampling) -> No
         torch.testing.assert_close(one.logprobs, r.logprobs, atol=1e-4, rtol=0)
     assert spec.engine.stats.spec.steps > 0
     assert spec.engine.kv.storage.device.type == DEVICE
+
+
+@pytest.mark.parametrize("name", ["plain", "drafter"])
+def test_cuda_graphs_decode_what_eager_steps_decode(models, name) -> None:
+    """Decode and verify steps replayed from CUDA graphs (the default on a GPU) against the
+    same engine with ``enforce_eager``: the same greedy tokens, logprobs to fp32 GEMM
+    tolerance (a padded batch may take other GEMM kernels), graphs captured and reused."""
+    spec = specs(models)["drafter"] if name == "drafter" else None
+    eager = llm(models, DEVICE, spec, eager=True).generate(PROMPTS, greedy())
+    graphed = llm(models, DEVICE, spec)
+    got = graphed.generate(PROMPTS, greedy())
+    again = graphed.generate(PROMPTS, greedy())  # the graphs replayed, none captured anew
+    for ref, out, out2 in zip(eager, got, again, strict=True):
+        assert out.samples[0].token_ids == ref.samples[0].token_ids == out2.samples[0].token_ids
+        torch.testing.assert_close(out.samples[0].logprobs, ref.samples[0].logprobs,
+                                   atol=1e-4, rtol=0)
+    graphs = graphed.engine.runner.graphs
+    if DEVICE == "cuda":
+        assert graphs is not None and graphs.steps
+        assert all(step.graph is not None for step in graphs.steps.values())
+        if name == "drafter":
+            assert any(shape.queries > 1 for shape in graphs.steps)
+    else:
+        assert graphs is None  # CUDA graphs are CUDA's
 
 
 def test_cuda_samples_what_the_cpu_samples(models) -> None:

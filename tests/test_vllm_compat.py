@@ -120,10 +120,13 @@ config = EngineConfig(backend="vllm")
 spec = resolve_spec(config.spec, Path("/tmp"))
 gpu = engine_args(model_dir, config, spec, Gpu(0, "NVIDIA H200", 141 << 30))
 cpu = engine_args(model_dir, config, spec, None)
-out["gpu_args"] = [gpu.gpu_memory_utilization, gpu.enable_chunked_prefill]
+out["gpu_args"] = [gpu.gpu_memory_utilization, gpu.enable_chunked_prefill, gpu.enforce_eager]
+from dataclasses import replace
+eager = EngineConfig(backend="vllm", model=replace(config.model, enforce_eager=True))
+out["gpu_eager"] = engine_args(model_dir, eager, spec, Gpu(0, "NVIDIA H200", 141 << 30)).enforce_eager
 from vllm.engine.arg_utils import AsyncEngineArgs
 out["cpu_args"] = [cpu.gpu_memory_utilization == AsyncEngineArgs.gpu_memory_utilization,
-                   cpu.enable_chunked_prefill]
+                   cpu.enable_chunked_prefill, cpu.enforce_eager]
 
 # the engine process itself refuses another vLLM, before starting anything
 from tlt_serve.backends.vllm.process import run_vllm
@@ -149,9 +152,10 @@ def test_the_start_refuses_another_vllm_and_missing_symbols_by_name() -> None:
     assert "vLLM" not in out["symbol"]  # the version is right: only the symbol is named
     assert out["signature"] == ("vllm.model_executor.model_loader.reload.inplace."
                                 "reload_weights: no parameter is_checkpoint_format")
-    share, chunked = out["gpu_args"]
+    share, chunked, eager = out["gpu_args"]
     assert 0 < share < 0.1 and chunked  # a 135M model on an H200 takes a few percent
-    assert out["cpu_args"] == [True, False]  # vLLM's default share, unused on a CPU
+    assert not eager and out["gpu_eager"]  # CUDA graphs on a GPU unless --enforce-eager
+    assert out["cpu_args"] == [True, False, True]  # vLLM's default share, unused on a CPU
     assert out["start"].startswith("backend vllm: VllmMismatch: vLLM 0.33.0 is installed")
 
 

@@ -25,6 +25,9 @@ class ModelConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     max_model_len: int = 2048  # prompt + output tokens per sequence
+    # On a GPU: every step eagerly, no CUDA graphs (the native engine's decode and verify
+    # steps; vLLM's own graphs)
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

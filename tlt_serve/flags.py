@@ -43,6 +43,9 @@ def parse(argv: list[str]) -> ServerConfig:
                        help="the native engine's device: cpu (default; the own kernels), cuda "
                        "or cuda:N (torch's SDPA attention). The vllm backend runs where its "
                        "build runs")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="on a GPU, run every step eagerly: no CUDA graphs (the native "
+                       "engine's decode and verify steps, vLLM's own)")
     serve.add_argument("--api-key", default=os.environ.get("TLT_SERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $TLT_SERVE_API_KEY, "
                        "which keeps the key out of the process list)")
@@ -131,7 +134,8 @@ def parse(argv: list[str]) -> ServerConfig:
     config = ServerConfig(
         engine=EngineConfig(
             model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                              device=args.device or ModelConfig.device),
+                              device=args.device or ModelConfig.device,
+                              enforce_eager=args.enforce_eager),
             cache=CacheConfig(max_num_seqs=args.max_num_seqs,
                               gpu_memory_utilization=args.gpu_memory_utilization),
             scheduler=SchedulerConfig(max_waiting=args.max_waiting),

@@ -26,6 +26,7 @@ from tlt_serve.engine.sampler import Sampler
 from tlt_serve.engine.scheduler import Emitted, Sampled, Scheduler
 from tlt_serve.engine.speculation import SpeculationBuilder, plain_decoding
 from tlt_serve.engine.stats import EngineStats
+from tlt_serve.engine.step_graphs import StepGraphs
 from tlt_serve.models.loader import build_model
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
@@ -57,7 +58,11 @@ class Engine:
         rows = config.cache.max_num_seqs
         self.spec = speculation(config.spec, self.model, rows, mc.max_model_len, config.seed)
         self.capture = CaptureBuffer(config.capture, seed=config.seed)
-        self.runner = ModelRunner(self.model, self.kv, mc.device, self.spec.feature_layers)
+        graphs = None
+        if mc.device.startswith("cuda") and not mc.enforce_eager:
+            graphs = StepGraphs(self.model, self.kv, self.spec.feature_layers)
+        self.runner = ModelRunner(self.model, self.kv, mc.device, self.spec.feature_layers,
+                                  graphs)
         self.scheduler = Scheduler(
             num_rows=rows,
             max_len=mc.max_model_len,

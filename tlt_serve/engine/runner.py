@@ -10,8 +10,9 @@ from tlt_serve.engine.draft_tree import DraftTree
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.request import Request
 from tlt_serve.engine.scheduler import ScheduledBatch
+from tlt_serve.engine.step_graphs import StepGraphs
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
-from tlt_serve.models.llama import LlamaModel
+from tlt_serve.models.llama import LlamaModel, ModelOutput
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,12 +33,28 @@ class ModelRunner:
     """Owns the model and its KV cache; mutates only the cache rows a batch names."""
 
     def __init__(
-        self, model: LlamaModel, kv: KVCache, device: str = "cpu", aux_layers: tuple[int, ...] = ()
+        self, model: LlamaModel, kv: KVCache, device: str = "cpu", aux_layers: tuple[int, ...] = (),
+        graphs: StepGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
         self.aux_layers = aux_layers
+        self.graphs = graphs  # decode and chain-verify steps at static shapes (CUDA graphs)
+
+    def _forward(
+        self, row_lo: int, starts: list[int], tokens: list[list[int]]
+    ) -> tuple[ModelOutput, ForwardBatch | None]:
+        """A decode or chain-verify forward: from a static step where one takes it (then no
+        batch is returned: nothing is packed), else eagerly on a packed batch."""
+        if self.graphs is not None:
+            kv_len = max(s + len(t) for s, t in zip(starts, tokens, strict=True))
+            shape = self.graphs.shape_of(row_lo, len(tokens), max(map(len, tokens)), kv_len)
+            if shape is not None:
+                real, ids = extend_batch(self.kv, row_lo, starts, tokens, "cpu")
+                return self.graphs.run(shape, real, ids), None
+        fb, input_ids = extend_batch(self.kv, row_lo, starts, tokens, self.device, pack=True)
+        return self.model(input_ids, fb, self.kv.layers, self.aux_layers), fb
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunOutput:
@@ -47,10 +64,13 @@ class ModelRunner:
         else:
             starts = [r.num_tokens - 1 for r in batch.forward]
             tokens = [[r.last_token] for r in batch.forward]
-        fb, input_ids = extend_batch(
-            self.kv, batch.forward[0].row, starts, tokens, self.device, pack=True
-        )
-        out = self.model(input_ids, fb, self.kv.layers, self.aux_layers)
+        if batch.is_prefill:
+            fb, input_ids = extend_batch(
+                self.kv, batch.forward[0].row, starts, tokens, self.device, pack=True
+            )
+            out = self.model(input_ids, fb, self.kv.layers, self.aux_layers)
+        else:
+            out, _ = self._forward(batch.forward[0].row, starts, tokens)
         for src, dst, length in batch.copies:
             self.kv.copy_row(src, dst, length)
         rows = torch.arange(len(tokens), device=self.device)
@@ -71,11 +91,12 @@ class ModelRunner:
         out = self.model(input_ids, fb, self.kv.layers, self.aux_layers)
         return RunOutput(logits=self._all_logits(out.hidden, fb), hidden=out.hidden, aux=out.aux)
 
-    def _all_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """hidden [F, Q, H] → logits [F, Q, V] of every real position (padding: zeros)."""
+    def _all_logits(self, hidden: torch.Tensor, fb: ForwardBatch | None) -> torch.Tensor:
+        """hidden [F, Q, H] → logits [F, Q, V] of every real position (padding: zeros, or
+        computed and meaningless when the batch was not packed)."""
         F, Q, H = hidden.shape
         flat = hidden.reshape(F * Q, H)
-        if fb.packed is None:
+        if fb is None or fb.packed is None:
             return self.model.logits(flat).view(F, Q, -1)
         return fb.unpack(self.model.logits(flat.index_select(0, fb.packed)))  # [F, Q, V]
 
@@ -99,8 +120,7 @@ class ModelRunner:
         """
         starts = [r.num_tokens - 1 for r in reqs]
         tokens = [[r.last_token, *d] for r, d in zip(reqs, drafts, strict=True)]
-        fb, input_ids = extend_batch(self.kv, reqs[0].row, starts, tokens, self.device, pack=True)
-        out = self.model(input_ids, fb, self.kv.layers, self.aux_layers)
+        out, fb = self._forward(reqs[0].row, starts, tokens)
         return RunOutput(logits=self._all_logits(out.hidden, fb), hidden=out.hidden, aux=out.aux)
 
 

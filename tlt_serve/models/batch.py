@@ -68,6 +68,28 @@ class ForwardBatch:
         B, Q = self.positions.shape
         return torch.arange(B * Q, device=self.positions.device)
 
+    @cached_property
+    def _sdpa_masks(self) -> dict[tuple[int, torch.dtype], torch.Tensor]:
+        return {}
+
+    def sdpa_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """``mask`` as torch's attention takes it when the ``group`` query heads of a KV head
+        are folded into the query axis: additive (0 visible, -inf hidden) in the queries'
+        dtype, [B, 1, group * Q, Kv] (row g * Q + j: head g's query j), with its rows' stride
+        padded to 16 elements. Made once per forward and shared by every layer: a bool mask
+        given per call is expanded, converted and (Kv not a multiple of 16) padded again in
+        each layer's attention on CUDA."""
+        if self.mask is None:
+            return None
+        key = (group, dtype)
+        if key not in self._sdpa_masks:
+            B, _, Q, Kv = self.mask.shape
+            padded = -(-Kv // 16) * 16
+            out = torch.zeros(B, 1, group, Q, padded, dtype=dtype, device=self.mask.device)
+            out[..., :Kv].masked_fill_(~self.mask.unsqueeze(2), float("-inf"))  # [B,1,G,Q,Kv]
+            self._sdpa_masks[key] = out.view(B, 1, group * Q, padded)[..., :Kv]
+        return self._sdpa_masks[key]
+
     @property
     def batch_size(self) -> int:
         return int(self.positions.shape[0])

@@ -140,7 +140,7 @@ class Attention(nn.Module):
             rows = slice(batch.row_lo, batch.row_lo + B)
             keys = k_cache[rows, :, : batch.kv_len]  # [B, kvH, Kv, D] (view)
             values = v_cache[rows, :, : batch.kv_len]
-            out = self._sdpa(q, keys, values, batch.mask)  # [B, Q, q]
+            out = self._sdpa(q, keys, values, batch.sdpa_mask(G, q.dtype))  # [B, Q, q]
         if batch.packed is not None:
             out = out.view(B * Q, cfg.q_size).index_select(0, batch.packed)  # [R, q]
         return self.o_proj(out)
@@ -149,13 +149,12 @@ class Attention(nn.Module):
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """torch's attention; q [B, Q, kvH * G, D], keys / values [B, kvH, Kv, D], mask
-        [B, 1, Q, Kv] or None → [B, Q, q]. The G query heads of each KV head are folded into
-        the length axis ([B, kvH, G * Q, D]): GQA without expanding K/V."""
+        [B, 1, G * Q, Kv] additive (``ForwardBatch.sdpa_mask``) or None → [B, Q, q]. The G
+        query heads of each KV head are folded into the length axis ([B, kvH, G * Q, D]):
+        GQA without expanding K/V."""
         B, Q = q.shape[:2]
         kvH, G, D = self.cfg.num_kv_heads, self.group, self.cfg.head_dim
         q = q.reshape(B, Q, kvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, kvH, G * Q, D)
-        if mask is not None and G > 1:
-            mask = mask.unsqueeze(2).expand(B, 1, G, Q, keys.shape[2]).reshape(B, 1, G * Q, -1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         return out.view(B, kvH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, self.cfg.q_size)
 

@@ -180,7 +180,9 @@ def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec, gpu: Gpu 
         # after a partial prefill with an offset CPU generators do not have, and the engine
         # dies ("CPU Generator does not use offset") once a seeded prompt is chunked.
         "enable_chunked_prefill": gpu is not None,
-        "enforce_eager": True,
+        # CUDA graphs on a GPU (capture reads what vLLM hands its drafter, outside them);
+        # its CPU build runs eagerly
+        "enforce_eager": gpu is None or mc.enforce_eager,
         "block_size": BLOCK_SIZE,
         "kv_cache_memory_bytes": kv,
         "enable_prefix_caching": True,
