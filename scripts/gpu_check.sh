@@ -17,8 +17,9 @@
 #   1. versions and the device;
 #   2. the native engine's CUDA tests (tests/test_cuda.py: fp32 greedy and seeded output
 #      with speculation on equals plain decoding, alone and batched, on tiny random models;
-#      sampler and verifier on CUDA logits), the vLLM capture's pinned copies
-#      (tests/test_step_copy.py) and the GPU probe (tests/test_devices.py);
+#      CUDA graphs against eager steps; sampler and verifier on CUDA logits), the vLLM
+#      capture's pinned copies (tests/test_step_copy.py) and the GPU probe
+#      (tests/test_devices.py);
 #   3. the step cost profile (python -m benchmarks.profile steps): random-weight models at
 #      the shapes of Qwen2.5-0.5B, Qwen3-1.7B and Llama-3.1-8B in bf16, plain and verify
 #      steps by batch size, eager and from CUDA graphs, the drafter's forward and a training
@@ -26,7 +27,9 @@
 #   4. the trainer beside the engine (python -m benchmarks.profile beside): the engine's
 #      step time while the drafter trains on the same GPU vs idle, and the trainer's yield
 #      -> profile_beside.json / .png;
-#   5. with --vllm: scripts/install.sh --vllm, then tests/test_vllm_compat.py and
+#   5. the whole native engine's decode step by batch size, from CUDA graphs against eager
+#      (python -m benchmarks.engine_steps run) -> engine_steps.json / .png;
+#   6. with --vllm: scripts/install.sh --vllm, then tests/test_vllm_compat.py and
 #      tests/test_vllm_backend.py (the real default model, downloaded by pip).
 # Exit status: 0 when every part passed, else the number of parts that failed.
 set -uo pipefail
@@ -87,6 +90,8 @@ if [ "$DEVICE" = cuda ]; then
     --out "$DEST/profile_steps.json"
   part beside 70 "$PY" -m benchmarks.profile beside --device cuda --shape 1.7b --batch 16 \
     --out "$DEST/profile_beside.json"
+  part engine 120 "$PY" -m benchmarks.engine_steps run --device cuda --shape 1.7b \
+    --out "$DEST/engine_steps.json"
 else
   part tests 600 env TLT_TEST_DEVICE=cpu "$PY" -m pytest -q --noconftest -p no:cacheprovider \
     tests/test_cuda.py tests/test_step_copy.py tests/test_devices.py
@@ -96,6 +101,8 @@ else
   part beside 300 "$PY" -m benchmarks.profile beside --device cpu --shape tiny --batch 4 \
     --context 128 --rounds 2 --iters 5 --train-rows 1 --train-row-len 64 --draft-vocab 1024 \
     --out "$DEST/profile_beside.json"
+  part engine 300 "$PY" -m benchmarks.engine_steps run --device cpu --shape tiny --batches 1,4 \
+    --context 64 --tokens 8 --rounds 1 --out "$DEST/engine_steps.json"
 fi
 
 if [ "$VLLM" = 1 ]; then
