@@ -406,7 +406,7 @@ def beside(a: argparse.Namespace) -> Path:
         if not idle.wait(600):
             raise SystemExit("the trainer process did not start in 600 s")
         with torch.inference_mode():
-            run = step.eager
+            run: Callable[[], Any] = step.eager
             if device.type == "cuda" and a.graphs:
                 step.capture()
                 run = step.replay
