@@ -5,10 +5,13 @@ is bounded (eviction, sampling rate, aborts, weight changes mid-sequence, cursor
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.harness import PROMPTS
 from tests.tiny import make_tiny_drafter
@@ -163,3 +166,44 @@ def test_wire_format_round_trip_and_malformed_blob() -> None:
         decode_samples(b"\x05\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(ValueError):
         decode_samples(b"abc")
+
+
+def vllm_capture_keeps(tmp_path: Path, prompt: list[int], output: list[int],
+                       captured: list[int]) -> tuple[list[TrainingSample], torch.Tensor]:
+    """One finished sample through the vLLM backend's capture, its worker answering with
+    ``captured`` tokens (and a feature row each) from position 0: the samples kept and the
+    features the worker sent."""
+    from tlt_serve.backends.vllm.samples import VllmCapture
+
+    features = torch.randn(len(captured), 16)
+
+    async def rpc(method: str, **kwargs: object) -> list[str]:
+        assert method == "tlt_capture_take" and kwargs["rids"] == ["internal"]
+        save_file({"0.start": torch.tensor([0]), "0.tokens": torch.tensor(captured),
+                   "0.features": features}, str(kwargs["path"]))
+        return ["internal"]
+
+    state = SimpleNamespace(version="3", drafter_version=1)
+    cap = VllmCapture(state, rpc, tmp_path, CaptureConfig(enabled=True), seed=0)  # type: ignore[arg-type]
+    cap.on_add("r", "internal", prompt)
+    cap.on_output("r", output, SimpleNamespace(type="length"))
+    asyncio.run(cap.fetch())
+    return cap.buffer.take(0, 1 << 30), features
+
+
+def test_vllm_capture_cuts_rows_past_the_served_ones_and_drops_a_mismatch(
+    tmp_path: Path,
+) -> None:
+    """A step scheduled before a request finished (vLLM's async scheduling) may add rows
+    past what was served: the sample keeps exactly the served positions. Tokens that differ
+    from the served ones still drop it."""
+    prompt, output = [1, 2, 3, 4], [5, 6, 7]
+    served = prompt + output[:-1]
+    (s,), features = vllm_capture_keeps(tmp_path, prompt, output, served + [7, 9])
+    assert s.tokens.tolist() == served and s.prompt_len == len(prompt)
+    assert torch.equal(s.features, features[: len(served)])
+    assert (s.weight_version, s.drafter_version) == ("3", 1)
+    (s,), _ = vllm_capture_keeps(tmp_path, prompt, output, served)
+    assert s.tokens.tolist() == served
+    assert vllm_capture_keeps(tmp_path, prompt, output, [1, 2, 3, 4, 8, 6, 7, 9])[0] == []
+    assert vllm_capture_keeps(tmp_path, prompt, output, served[:-1])[0] == []

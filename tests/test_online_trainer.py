@@ -5,6 +5,7 @@ server serves it (outputs still exact), and a restarted trainer resumes from its
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -31,10 +32,13 @@ from tests.harness import (
 from tests.tiny import make_tiny_drafter
 from tlt_serve import SamplingParams
 from tlt_serve.config import CaptureConfig, SpecConfig
-from trainer.link import ServerLink
+from tlt_serve.models.loader import build_model
+from tlt_serve.speculative.checkpoint import load_drafter
+from trainer.link import ServerLink, TargetTensors
 from trainer.online import OnlineConfig, OnlineTrainer
 from trainer.state import checkpoints
 from trainer.store import StoreConfig
+from trainer.target import borrowed_tensors, head_stub
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +267,44 @@ def test_a_fused_drafter_is_refused_with_the_reason(tiny_model_dir: Path, tmp_pa
             OnlineTrainer(cfg, ServerLink(s.base_url))
     finally:
         s.stop()
+
+
+class LocalTarget:
+    """What the server's feed hands the trainer of the tiny target (``scale`` times its
+    tensors), without a server."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model = build_model(model_dir, torch.float32, 256)
+        self.hf = json.loads((model_dir / "config.json").read_text())
+
+    def target(self, scale: float = 1.0, version: str = "0") -> TargetTensors:
+        tensors = {k: v * scale for k, v in borrowed_tensors(self.model).items()}
+        return TargetTensors(self.model.cfg, self.hf, tensors, version)
+
+    def drafter_info(self) -> dict[str, object]:
+        return {"drafter_version": 0}
+
+
+def test_drafter_copies_share_the_target_and_follow_its_refresh(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The served drafter and a candidate are copies of the trained one: each has its own
+    weights but reads the trainer's one fp32 target stand-in, so a target refresh reaches
+    the served drafter's (sliced) head."""
+    init = make_tiny_drafter(tiny_model_dir, tmp_path / "d", seed=3, draft_vocab_size=64)
+    link = LocalTarget(tiny_model_dir)
+    cfg = OnlineConfig(state_dir=str(tmp_path / "state"), init=str(init))
+    trainer = OnlineTrainer(cfg, link)  # type: ignore[arg-type]
+    stub, drafter = trainer.stub, trainer.drafter
+    for copied in (trainer.served, copy.deepcopy(drafter)):
+        assert copied.target is stub
+        for name in ("embed_tokens", "lm_head"):
+            got, want = getattr(copied.target, name).weight, getattr(stub, name).weight
+            assert got.data_ptr() == want.data_ptr()
+        for (name, p), (_, q) in zip(drafter.named_parameters(), copied.named_parameters(),
+                                     strict=True):
+            assert p.data_ptr() != q.data_ptr() and torch.equal(p, q), name
+    trainer._refresh_target(link.target(scale=1.5, version="1"))
+    fresh = load_drafter(init, head_stub(stub.cfg, link.target(scale=1.5).tensors, 256))
+    hidden = torch.randn(3, stub.cfg.hidden_size)
+    torch.testing.assert_close(trainer.served.draft_logits(hidden), fresh.draft_logits(hidden))

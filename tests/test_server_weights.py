@@ -313,3 +313,35 @@ def test_a_trainer_that_never_joins_does_not_stall_serving(served, http, expecte
     assert "init_weights_update_group failed" in replies["init"].json()["message"]
     assert time.monotonic() - t0 >= 4
     assert generate(http)["output_ids"] == expected["base"]
+
+
+def test_a_receiver_keeping_tensors_elsewhere_holds_one_buffer_at_a_time() -> None:
+    """The vLLM backend moves each broadcast tensor to host memory as it arrives: the
+    receiving device (a GPU over NCCL) then holds one buffer, never the whole update."""
+    import gc
+    import weakref
+
+    port = free_port()
+    sent = [(f"w{i}", torch.arange(6, dtype=torch.float32).reshape(2, 3) + i) for i in range(4)]
+    buffers: list[weakref.ref[torch.Tensor]] = []
+    alive: list[int] = []  # earlier buffers still alive as each tensor arrives
+    received: list[list[tuple[str, torch.Tensor]]] = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        gc.collect()
+        alive.append(sum(b() is not None for b in buffers))
+        buffers.append(weakref.ref(tensor))
+        return tensor.clone()
+
+    def engine() -> None:
+        group = WeightSyncGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=60)
+        received.append(group.receive(specs_of(sent), keep))
+
+    receiver = threading.Thread(target=engine)
+    receiver.start()
+    WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=60).send(sent)
+    receiver.join(60)
+    (got,) = received
+    assert [n for n, _ in got] == [n for n, _ in sent]
+    assert all(torch.equal(g, s) for (_, g), (_, s) in zip(got, sent, strict=True))
+    assert alive == [0, 0, 0, 0]

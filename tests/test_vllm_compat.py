@@ -123,7 +123,8 @@ cpu = engine_args(model_dir, config, spec, None)
 out["gpu_args"] = [gpu.gpu_memory_utilization, gpu.enable_chunked_prefill, gpu.enforce_eager]
 from dataclasses import replace
 eager = EngineConfig(backend="vllm", model=replace(config.model, enforce_eager=True))
-out["gpu_eager"] = engine_args(model_dir, eager, spec, Gpu(0, "NVIDIA H200", 141 << 30)).enforce_eager
+out["gpu_eager"] = engine_args(model_dir, eager, spec,
+                               Gpu(0, "NVIDIA H200", 141 << 30)).enforce_eager
 from vllm.engine.arg_utils import AsyncEngineArgs
 out["cpu_args"] = [cpu.gpu_memory_utilization == AsyncEngineArgs.gpu_memory_utilization,
                    cpu.enable_chunked_prefill, cpu.enforce_eager]

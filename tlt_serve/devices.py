@@ -5,7 +5,8 @@ A process that has initialised CUDA cannot fork a child that uses CUDA ("Cannot 
 CUDA in forked subprocess"), and ``torch.cuda.is_available()`` initialises the CUDA driver. The
 front end and the vLLM engine process (whose engine core vLLM may fork) therefore probe here:
 NVML counts devices and reads their memory without a CUDA context, honouring
-``CUDA_VISIBLE_DEVICES``. Without the driver library (a CPU machine) there are no GPUs.
+``CUDA_VISIBLE_DEVICES``. Without the driver library (a CPU machine) there are no GPUs; a
+device the driver counts but cannot describe is an error naming the failed call.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -48,34 +50,69 @@ def visible(devices: str | None, count: int) -> list[str]:
     return out
 
 
+class NvmlError(RuntimeError):
+    """NVML failed to say what a device it counts is: the call, the device, NVML's reason."""
+
+
 def gpus() -> list[Gpu]:
-    """The CUDA devices this process would see, without initialising CUDA."""
+    """The CUDA devices this process would see, without initialising CUDA; NvmlError when
+    the driver cannot describe one of them."""
+    nvml = _driver()
+    if nvml is None or nvml.nvmlInit_v2() != 0:
+        return []  # no NVIDIA driver
+    try:
+        return probe(nvml, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _driver() -> Any:
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
-        return []  # no NVIDIA driver
-    if nvml.nvmlInit_v2() != 0:
-        return []
-    try:
-        count = ctypes.c_uint()
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-            return []
-        found = []
-        for i, entry in enumerate(visible(os.environ.get("CUDA_VISIBLE_DEVICES"), count.value)):
-            handle = ctypes.c_void_p()
-            rc = (nvml.nvmlDeviceGetHandleByIndex_v2(int(entry), ctypes.byref(handle))
-                  if entry.isdigit()
-                  else nvml.nvmlDeviceGetHandleByUUID(entry.encode(), ctypes.byref(handle)))
-            if rc != 0:
-                break
-            name = ctypes.create_string_buffer(96)
-            memory = _Memory()
-            nvml.nvmlDeviceGetName(handle, name, ctypes.c_uint(96))
-            nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory))
-            found.append(Gpu(i, name.value.decode(errors="replace"), int(memory.total)))
-        return found
-    finally:
-        nvml.nvmlShutdown()
+        return None
+    nvml.nvmlErrorString.restype = ctypes.c_char_p
+    return nvml
+
+
+def probe(nvml: Any, devices: str | None) -> list[Gpu]:
+    """The devices an initialised NVML library ``nvml`` counts, as ``CUDA_VISIBLE_DEVICES``
+    = ``devices`` shows them to CUDA."""
+    count = ctypes.c_uint()
+    _check(nvml, nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)), "nvmlDeviceGetCount_v2")
+    found = []
+    for i, entry in enumerate(visible(devices, count.value)):
+        handle = ctypes.c_void_p()
+        rc = (nvml.nvmlDeviceGetHandleByIndex_v2(int(entry), ctypes.byref(handle))
+              if entry.isdigit()
+              else nvml.nvmlDeviceGetHandleByUUID(entry.encode(), ctypes.byref(handle)))
+        if rc != 0:
+            break  # as CUDA: the list ends at an entry that names no device
+        found.append(_describe(nvml, handle, i))
+    return found
+
+
+def _describe(nvml: Any, handle: ctypes.c_void_p, index: int) -> Gpu:
+    """Device ``index``'s name and memory; NvmlError rather than a made-up size, which the
+    memory shares derived from it would divide by."""
+    where = f"CUDA device {index}"
+    name = ctypes.create_string_buffer(96)
+    _check(nvml, nvml.nvmlDeviceGetName(handle, name, ctypes.c_uint(96)), "nvmlDeviceGetName",
+           where)
+    memory = _Memory()
+    _check(nvml, nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)),
+           "nvmlDeviceGetMemoryInfo", where)
+    if memory.total == 0:
+        raise NvmlError(f"NVML: {where} reports no memory")
+    return Gpu(index, name.value.decode(errors="replace"), int(memory.total))
+
+
+def _check(nvml: Any, rc: int, call: str, where: str = "") -> None:
+    if rc != 0:
+        reason = nvml.nvmlErrorString(rc)
+        reason = reason.decode(errors="replace") if isinstance(reason, bytes) else reason
+        on = f" for {where}" if where else ""
+        raise NvmlError(f"NVML {call} failed{on}: {reason} (error {rc})")
 
 
 def device_problem(device: str) -> str | None:
@@ -89,7 +126,10 @@ def device_problem(device: str) -> str | None:
         return (f"--device {device}: this torch ({torch.__version__}) is a CPU build; install "
                 "a CUDA build of torch")
     index = int(device.split(":")[1]) if ":" in device else 0
-    found = gpus()
+    try:
+        found = gpus()
+    except NvmlError as err:
+        return f"--device {device}: {err}"
     if index >= len(found):
         return f"--device {device}: no such CUDA device (NVML sees {len(found)})"
     return None

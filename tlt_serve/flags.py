@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import replace
 
 from tlt_serve.backends import VLLM_INSTALL, missing
@@ -21,7 +22,7 @@ from tlt_serve.config import (
     SpecConfig,
     TrainingConfig,
 )
-from tlt_serve.devices import device_problem, gpus
+from tlt_serve.devices import NvmlError, device_problem, gpus
 from tlt_serve.models.provision import DEFAULT_MODEL
 
 
@@ -201,7 +202,13 @@ def engine_gpu(backend: str, device: str | None) -> str | None:
         return device if device and device.startswith("cuda") else None
     from tlt_serve.backends.vllm.compat import installed_build
 
-    return "cuda:0" if installed_build() == "cuda" and gpus() else None
+    if installed_build() != "cuda":
+        return None
+    try:
+        return "cuda:0" if gpus() else None
+    except NvmlError as err:  # the machine, not a flag: one line, as device_problem's
+        sys.stderr.write(f"tlt-serve: {err}\n")
+        raise SystemExit(2) from err
 
 
 def _leave_the_trainer_its_share(config: ServerConfig) -> ServerConfig:

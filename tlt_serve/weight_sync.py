@@ -8,7 +8,7 @@ through the validated loader, so a failure mid-transfer changes no weight.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -55,8 +55,13 @@ class WeightSyncGroup:
         for _, tensor in tensors:
             self.group.broadcast(tensor.contiguous(), 0).wait()
 
-    def receive(self, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
-        """Receive each named tensor broadcast by rank 0, in order.
+    def receive(
+        self, specs: Sequence[TensorSpec],
+        keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Receive each named tensor broadcast by rank 0, in order; ``keep`` (e.g. a copy to
+        host memory) takes each one as soon as it has arrived, so that the receiving device
+        holds one at a time instead of the whole update.
 
         Specs are checked before the first receive: stopping half-way would leave the
         trainer blocked in a broadcast nobody answers.
@@ -64,12 +69,15 @@ class WeightSyncGroup:
         bad = next((s for s in specs if s.dtype not in DIST_DTYPES), None)
         if bad is not None:
             raise ValueError(f"dtypes: {bad.dtype!r} is not one of {sorted(DIST_DTYPES)}")
-        out = []
-        for spec in specs:
-            tensor = torch.empty(spec.shape, dtype=DIST_DTYPES[spec.dtype], device=self.device)
-            self.group.broadcast(tensor, 0).wait()
-            out.append((spec.name, tensor))
-        return out
+        if keep is None:
+            return [(spec.name, self._receive_one(spec)) for spec in specs]
+        # No name outlives one iteration: the buffer is freed before the next is allocated.
+        return [(spec.name, keep(self._receive_one(spec))) for spec in specs]
+
+    def _receive_one(self, spec: TensorSpec) -> torch.Tensor:
+        tensor = torch.empty(spec.shape, dtype=DIST_DTYPES[spec.dtype], device=self.device)
+        self.group.broadcast(tensor, 0).wait()
+        return tensor
 
 
 def receive_device(backend: str, engine_device: str) -> str:

@@ -20,7 +20,9 @@ exact) and cuts the drafter's largest matmul several-fold.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,6 +75,18 @@ class DrafterModel(nn.Module):
     target: LlamaModel
     head: Linear | None  # the target's lm_head rows of draft_vocab (None: full head)
     draft_vocab: torch.Tensor  # [Vd] long: target token id of each draft-head row
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DrafterModel:
+        """Its own weights, the same target: a copy (the trainer's served drafter, a
+        candidate) must read the target's head as it is updated in place, and the fp32
+        target stand-in is hundreds of MB at real vocabulary sizes. The sliced head is only
+        ever replaced, never written, so the copy shares it until its own refresh_head."""
+        memo[id(self.target)] = self.target
+        memo[id(self.head)] = self.head
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def forward(
         self,

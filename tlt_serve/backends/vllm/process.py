@@ -33,6 +33,7 @@ from tlt_serve.config import EngineConfig
 from tlt_serve.contract.controls import ControlError
 from tlt_serve.contract.messages import Failed, Fatal, Ready
 from tlt_serve.contract.reports import EngineInfo, SpecInfo
+from tlt_serve.devices import Gpu, gpus
 from tlt_serve.speculative.checkpoint import read_drafter_config
 
 log = logging.getLogger("tlt_serve.vllm")
@@ -74,14 +75,12 @@ def _start(
     from vllm.platforms import current_platform
 
     from tlt_serve.backends.vllm.compat import check_vllm
-    from tlt_serve.devices import gpus
 
     check_vllm(vllm.__version__)  # before anything patches or calls vLLM's internals
     # vLLM's V1 model runner on every platform: our worker extension reaches the drafter
     # where it keeps it (the V2 runner, CUDA's default, keeps it elsewhere).
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    found = gpus() if current_platform.is_cuda() else []  # vLLM's CPU build: []
-    gpu = found[0] if found else None
+    gpu = platform_gpu(current_platform.is_cuda())
     if gpu is None:
         set_cpu_env()
     else:
@@ -116,6 +115,22 @@ def _start(
         ),
     )
     return llm, info, spec, stats, "cpu" if gpu is None else "cuda"
+
+
+def platform_gpu(cuda: bool) -> Gpu | None:
+    """The GPU vLLM runs on: None for its CPU build, else the first one NVML sees. A CUDA
+    build with no GPU visible is refused here: configured as a CPU engine it would fail
+    later, inside vLLM, without saying why."""
+    if not cuda:
+        return None
+    found = gpus()
+    if not found:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+        raise RuntimeError(f"vLLM's platform is CUDA but NVML finds no GPU this process may "
+                           f"use{shown}: make one visible (CUDA_VISIBLE_DEVICES by index or "
+                           "full GPU UUID), or run vLLM's CPU build")
+    return found[0]
 
 
 async def _serve(

@@ -10,7 +10,8 @@ A sample starts at the first position vLLM computed: prompt blocks found in the 
 cache were not computed (the last prompt position always is, so every response pair is
 there), so ``prompt_len`` counts the prompt positions kept. As natively: one seeded draw per
 sample (``sample_rate``); aborted samples, samples whose target changed while they ran, and
-samples whose kept tokens do not match what was served are dropped.
+samples whose kept tokens do not match what was served are dropped. Rows kept past what was
+served (a step scheduled before the request finished) are cut.
 """
 
 from __future__ import annotations
@@ -121,9 +122,12 @@ class VllmCapture:
               drafter_version: int | None) -> None:
         # Positions start.. fed the prompt's rest and every output token but the last.
         served = (live.prompt + live.output[:-1])[start:]
-        if start >= len(live.prompt) or tokens.tolist() != served:
+        # With async scheduling (vLLM's default on CUDA) a step scheduled before the request
+        # finished still runs it, so rows past the served ones may follow; they are cut.
+        n = len(served)
+        if start >= len(live.prompt) or tokens[:n].tolist() != served:
             self.buffer.skip()
             return
         version = next(iter(live.versions))
-        self.buffer.add(tokens.long(), features, len(live.prompt) - start, version,
+        self.buffer.add(tokens[:n].long(), features[:n], len(live.prompt) - start, version,
                         drafter_version)

@@ -21,6 +21,8 @@ import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import torch
+
 from tlt_serve.backends.vllm.state import VllmState, WorkerRpc
 from tlt_serve.contract.controls import (
     DEFAULT_GROUP,
@@ -86,6 +88,10 @@ def check_update(
                 if missing:
                     raise ControlError(f"{missing[0]}: the vllm backend updates {name} only "
                                        f"together with {', '.join(missing)} (one module)")
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.cpu()
 
 
 class VllmWeights:
@@ -166,7 +172,9 @@ class VllmWeights:
                  for n, d, s in zip(op.names, op.dtypes, op.shapes, strict=True)]
         self.syncing = True
         try:  # rank 0 broadcasts whatever we think of the specs: receive, then judge
-            received = await asyncio.to_thread(self.sync.receive, specs)
+            # Each tensor to host memory as it arrives (they go to a file for vLLM's worker):
+            # over NCCL the GPU then holds one received tensor beside vLLM, not the update.
+            received = await asyncio.to_thread(self.sync.receive, specs, _to_host)
         except (RuntimeError, ValueError) as err:
             raise ControlError(f"receiving weights failed: {err}") from err
         finally:
@@ -176,8 +184,7 @@ class VllmWeights:
         path = self.scratch / "distributed.safetensors"
         from safetensors.torch import save_file
 
-        await asyncio.to_thread(
-            save_file, {n: t.contiguous().cpu() for n, t in received}, str(path))
+        await asyncio.to_thread(save_file, {n: t.contiguous() for n, t in received}, str(path))
         try:
             return await self._apply([path], update, op.weight_version, op.abort_all)
         finally:

@@ -88,8 +88,10 @@ class TltWorker:
         }
         if not getattr(model.config, "tie_word_embeddings", False):
             tensors["lm_head.weight"] = model.lm_head.weight
-        save_file({k: v.detach().float().contiguous() for k, v in tensors.items()}, path,
-                  metadata=meta)
+        # To the host before fp32: converted on the GPU, the embedding and head would get
+        # fp32 copies there (twice their bf16 size) beside the served model.
+        save_file({k: v.detach().cpu().float().contiguous() for k, v in tensors.items()},
+                  path, metadata=meta)
 
     # ---- the model runner this backend reaches into ----------------------------------------
     def tlt_probe(self) -> dict[str, Any]:
