@@ -81,6 +81,7 @@ if torch.cuda.is_available():
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.max.sm --format=csv
 git log -1 --format='commit %h %cd' 2>/dev/null || true
+part nvml 30 "$PY" -c "from tlt_serve.devices import gpus; print('GPUs found by NVML:', gpus())"
 
 if [ "$DEVICE" = cuda ]; then
   part tests 120 env TLT_REQUIRE_CUDA=1 "$PY" -m pytest -q --noconftest -p no:cacheprovider \
