@@ -2,8 +2,12 @@
 sampling, outputs included), its steps replayed from CUDA graphs against run eagerly
 (``--enforce-eager``), side by side: a random-weight checkpoint at a real shape is written
 once, two engines load it, and each batch size is timed on both in alternating rounds.
+``--arms`` adds engines that capture drafter training samples as they serve: ``capture``
+keeps the features on the device, ``capture-host`` copies them to the host every step
+(``--capture-on-host``): what keeping them there saves a step.
 
     python -m benchmarks.engine_steps run --device cuda --shape 1.7b
+    python -m benchmarks.engine_steps run --device cuda --arms graphs,eager,capture,capture-host
     python -m benchmarks.engine_steps run --device cpu --shape tiny --batches 1,4 --tokens 8
 
 Set against ``benchmarks.profile steps`` (the model's step alone), the difference is what
@@ -80,14 +84,21 @@ def random_checkpoint(cfg: ArchConfig, out: Path, device: torch.device, seed: in
     return out
 
 
-def _engine(path: Path, a: argparse.Namespace, eager: bool) -> Any:
-    from tlt_serve import LLM
-    from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
+# arm: (steps run eagerly, samples captured, captured features kept on the device)
+ARMS = {"graphs": (False, False, True), "eager": (True, False, True),
+        "capture": (False, True, True), "capture-host": (False, True, False)}
 
+
+def _engine(path: Path, a: argparse.Namespace, arm: str) -> Any:
+    from tlt_serve import LLM
+    from tlt_serve.config import CacheConfig, CaptureConfig, EngineConfig, ModelConfig
+
+    eager, capture, on_device = ARMS[arm]
     return LLM(config=EngineConfig(
         model=ModelConfig(model=str(path), dtype="bfloat16", device=a.device,
                           max_model_len=a.context + a.tokens + 8, enforce_eager=eager),
-        cache=CacheConfig(max_num_seqs=max(a.batches))))
+        cache=CacheConfig(max_num_seqs=max(a.batches)),
+        capture=CaptureConfig(enabled=capture, on_device=on_device)))
 
 
 def _generate_s(llm: Any, prompts: list[list[int]], tokens: int) -> float:
@@ -112,7 +123,7 @@ def run(a: argparse.Namespace) -> Path:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tlt-engine-steps-") as tmp:
         path = random_checkpoint(cfg, Path(tmp), device, a.seed)
-        engines = {"graphs": _engine(path, a, eager=False), "eager": _engine(path, a, eager=True)}
+        engines = {arm: _engine(path, a, arm) for arm in a.arms}
         for b in tqdm(a.batches, desc=f"engine {a.shape}"):
             prompts = torch.randint(0, cfg.vocab_size, (b, a.context), generator=gen).tolist()
             ms: dict[str, list[float]] = {name: [] for name in engines}
@@ -125,21 +136,23 @@ def run(a: argparse.Namespace) -> Path:
             row: dict[str, Any] = {"batch": b}
             for name, values in ms.items():
                 row[f"{name}_ms"] = round(statistics.median(values), 4)
-            row["eager_vs_graphs"] = round(row["eager_ms"] / row["graphs_ms"], 3)
+            for arm in a.arms[1:]:
+                row[f"{arm}_vs_{a.arms[0]}"] = round(row[f"{arm}_ms"] / row[f"{a.arms[0]}_ms"], 3)
             rows.append(row)
-            print(f"{a.shape} batch {b}: {row['graphs_ms']:.3f} ms per step from graphs, "
-                  f"{row['eager_ms']:.3f} eager (x{row['eager_vs_graphs']})")
-        graphs = engines["graphs"].engine.runner.graphs
+            print(f"{a.shape} batch {b}: " + ", ".join(
+                f"{arm} {row[f'{arm}_ms']:.3f} ms" for arm in a.arms) + " per step (" + ", ".join(
+                f"{arm} x{row[f'{arm}_vs_{a.arms[0]}']}" for arm in a.arms[1:]) + ")")
+        graphs = engines[a.arms[0]].engine.runner.graphs
         captured = [] if graphs is None else [vars(s) for s in graphs.steps]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return report(a, {"device": gpu or "cpu", "torch": torch.__version__, "shape": a.shape,
-                      "rows": rows, "graph_shapes": captured}, plot)
+                      "arms": a.arms, "rows": rows, "graph_shapes": captured}, plot)
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in ("graphs", "eager"):
+    for name in result.get("arms", ["graphs", "eager"]):
         pts = [(r["batch"], r[f"{name}_ms"]) for r in result["rows"]]
         ax.plot(*zip(*pts, strict=True), marker="o", label=name)
     ax.set_xscale("log", base=2)
@@ -161,6 +174,15 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per timed run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arms", type=_arms, default=["graphs", "eager"],
+                   help=f"engines side by side, the first the reference ({', '.join(ARMS)})")
+
+
+def _arms(text: str) -> list[str]:
+    arms = [t for t in text.split(",") if t]
+    if not arms or any(t not in ARMS for t in arms) or len(set(arms)) != len(arms):
+        raise argparse.ArgumentTypeError(f"a comma list of distinct arms from {', '.join(ARMS)}")
+    return arms
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

@@ -27,8 +27,9 @@
 #   4. the trainer beside the engine (python -m benchmarks.profile beside): the engine's
 #      step time while the drafter trains on the same GPU vs idle, and the trainer's yield
 #      -> profile_beside.json / .png;
-#   5. the whole native engine's decode step by batch size, from CUDA graphs against eager
-#      (python -m benchmarks.engine_steps run) -> engine_steps.json / .png;
+#   5. the whole native engine's decode step by batch size, from CUDA graphs against eager,
+#      and capturing drafter samples with features kept on the GPU against copied to the
+#      host each step (python -m benchmarks.engine_steps run) -> engine_steps.json / .png;
 #   6. with --vllm: scripts/install.sh --vllm, then tests/test_vllm_compat.py and
 #      tests/test_vllm_backend.py (the real default model, downloaded by pip).
 # Exit status: 0 when every part passed, else the number of parts that failed.
@@ -91,7 +92,8 @@ if [ "$DEVICE" = cuda ]; then
     --out "$DEST/profile_steps.json"
   part beside 70 "$PY" -m benchmarks.profile beside --device cuda --shape 1.7b --batch 16 \
     --out "$DEST/profile_beside.json"
-  part engine 120 "$PY" -m benchmarks.engine_steps run --device cuda --shape 1.7b \
+  part engine 180 "$PY" -m benchmarks.engine_steps run --device cuda --shape 1.7b \
+    --arms graphs,eager,capture,capture-host --batches 1,16,64 --rounds 2 \
     --out "$DEST/engine_steps.json"
 else
   part tests 600 env TLT_TEST_DEVICE=cpu "$PY" -m pytest -q --noconftest -p no:cacheprovider \
@@ -103,7 +105,8 @@ else
     --context 128 --rounds 2 --iters 5 --train-rows 1 --train-row-len 64 --draft-vocab 1024 \
     --out "$DEST/profile_beside.json"
   part engine 300 "$PY" -m benchmarks.engine_steps run --device cpu --shape tiny --batches 1,4 \
-    --context 64 --tokens 8 --rounds 1 --out "$DEST/engine_steps.json"
+    --context 64 --tokens 8 --rounds 1 --arms graphs,eager,capture,capture-host \
+    --out "$DEST/engine_steps.json"
 fi
 
 if [ "$VLLM" = 1 ]; then

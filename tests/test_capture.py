@@ -23,7 +23,9 @@ from tlt_serve.engine.capture import (
     TrainingSample,
     decode_samples,
     encode_samples,
+    encode_shared,
 )
+from tlt_serve.engine.handoff import Lent, open_shared, share
 from tlt_serve.engine.request import Request
 from trainer.data import target_features
 
@@ -148,13 +150,17 @@ def test_buffer_evicts_oldest_and_cursors_page() -> None:
     assert buf.take(25, 1 << 30) == []
 
 
-def test_wire_format_round_trip_and_malformed_blob() -> None:
+def three_bf16_samples() -> list[TrainingSample]:
     buf = CaptureBuffer(CaptureConfig(enabled=True))
     for i in range(3):
         req, f = fake_sample(f"r{i}", 5 + i)
         buf.observe([(req, f.to(torch.bfloat16))], "v7")
         buf.finish([req], 3 if i else None)
-    samples = buf.take(0, 1 << 30)
+    return buf.take(0, 1 << 30)
+
+
+def test_wire_format_round_trip_and_malformed_blob() -> None:
+    samples = three_bf16_samples()
     back = decode_samples(encode_samples(samples))
     for a, b in zip(samples, back, strict=True):
         assert (a.seq, a.prompt_len, a.weight_version, a.drafter_version) == (
@@ -166,6 +172,64 @@ def test_wire_format_round_trip_and_malformed_blob() -> None:
         decode_samples(b"\x05\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(ValueError):
         decode_samples(b"abc")
+
+
+BORROWER = """
+import sys, torch
+from tlt_serve.engine.capture import decode_samples
+blob = sys.stdin.buffer.read()
+out = {}
+for s in decode_samples(blob):
+    out[f"features.{s.seq}"] = s.features.contiguous()
+    out[f"tokens.{s.seq}"] = s.tokens
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_features_by_reference_open_in_another_process(tmp_path: Path) -> None:
+    """``encode_shared`` lends the features (here host shared memory; CUDA IPC on a GPU): a
+    second process decodes the samples ``encode_samples`` sends by value, bit for bit, and
+    owns its copy; the lender keeps only its last few loans alive."""
+    import subprocess
+    import sys
+
+    samples = three_bf16_samples()
+    lent = Lent(keep=2)
+    blob = encode_shared(samples, lent)
+    from safetensors.torch import load
+
+    assert len(lent) == 1 and not [k for k in load(blob) if k.startswith("features")]
+    out = tmp_path / "got.pt"
+    run = subprocess.run([sys.executable, "-c", BORROWER, str(out)], input=blob,
+                         capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    got = torch.load(out)
+    for s in samples:
+        assert torch.equal(got[f"features.{s.seq}"], s.features)
+        assert got[f"features.{s.seq}"].dtype == torch.bfloat16
+        assert torch.equal(got[f"tokens.{s.seq}"], s.tokens)
+    here = decode_samples(blob)  # this process too; each sample owns its memory
+    assert [s.seq for s in here] == [1, 2, 3]
+    assert here[0].features.untyped_storage().data_ptr() != \
+        here[1].features.untyped_storage().data_ptr()
+    for _ in range(3):
+        encode_shared(samples, lent)
+    assert len(lent) == 2
+    assert decode_samples(encode_shared([], lent)) == []
+
+
+def test_a_shared_tensor_keeps_shape_offset_and_refuses_what_it_cannot_open() -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    view = base[1:]  # a storage offset
+    t = open_shared(share(view))
+    assert torch.equal(t, view) and t.storage_offset() == 6
+    with pytest.raises(ValueError, match="contiguous"):
+        share(base.t())
+    ref = share(base)
+    for bad in ({**ref, "dtype": "nope"}, {**ref, "cpu": {**ref["cpu"], "handle": "00"}},
+                {k: v for k, v in ref.items() if k != "shape"}):
+        with pytest.raises(ValueError, match="cannot be opened"):
+            open_shared(bad)
 
 
 def vllm_capture_keeps(tmp_path: Path, prompt: list[int], output: list[int],

@@ -203,3 +203,49 @@ def test_the_drafter_trains_on_cuda_within_its_memory_budget(models) -> None:
             del bigger
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+BORROWER = """
+import sys, torch
+from tlt_serve.engine.capture import decode_samples
+samples = decode_samples(sys.stdin.buffer.read())
+where = [s.features.device.type for s in samples]
+assert where == [sys.argv[2]] * len(samples), where
+torch.save({s.seq: s.features.cpu() for s in samples}, sys.argv[1])
+"""
+
+
+def test_captured_features_stay_on_the_device_and_go_by_reference(models, tmp_path) -> None:
+    """Capture keeps the features on the engine's device (no copy to the host per step); a
+    second process borrows them by reference (CUDA IPC) and gets, on its GPU, what the
+    by-value feed sends; the trainer's batches are built there from them."""
+    import subprocess
+    import sys
+
+    from tlt_serve.config import CaptureConfig
+    from tlt_serve.engine.capture import encode_samples, encode_shared
+    from tlt_serve.engine.handoff import Lent
+    from trainer.data import Sample
+    from trainer.packing import batches
+
+    engine = LLM(config=EngineConfig(
+        model=ModelConfig(model=str(models["target"]), dtype="float32", max_model_len=256,
+                          device=DEVICE),
+        cache=CacheConfig(max_num_seqs=8), capture=CaptureConfig(enabled=True)))
+    engine.generate(PROMPTS, greedy())
+    samples = engine.engine.capture.take(0, 1 << 30)
+    assert len(samples) == len(PROMPTS)
+    assert all(s.features.device.type == DEVICE for s in samples)
+    out, lent = tmp_path / "got.pt", Lent()  # keeps the loan alive until it is opened
+    run = subprocess.run([sys.executable, "-c", BORROWER, str(out), DEVICE],
+                         input=encode_shared(samples, lent), capture_output=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    got = torch.load(out)
+    from tlt_serve.engine.capture import decode_samples
+
+    for s in decode_samples(encode_samples(samples)):
+        assert s.features.device.type == "cpu" and torch.equal(got[s.seq], s.features)
+    train = [Sample(s.tokens, s.features, s.prompt_len) for s in samples]
+    batch = batches(train, 64, 4, None)[0]
+    assert batch.features.device.type == DEVICE

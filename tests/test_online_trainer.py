@@ -98,6 +98,36 @@ def test_trains_publishes_and_serves_exactly(
         assert got["meta_info"]["drafter_versions"] == [1]
 
 
+def test_a_trainer_fed_by_reference_stores_what_the_feed_sends_and_trains(
+    server: Served, drafter_dir: Path, tmp_path: Path
+) -> None:
+    """``--shared-feed``: the store holds the samples the by-value feed sends, and training
+    draws batches from them; with a byte cap (a store on a GPU: half the trainer's budget)
+    the oldest go first and the newest stays."""
+    rollout(server)
+    shared = OnlineTrainer(config(server, tmp_path / "a", drafter_dir),
+                           ServerLink(server.base_url, share=True))
+    by_value = OnlineTrainer(config(server, tmp_path / "b", drafter_dir),
+                             ServerLink(server.base_url))
+    assert shared.tick() == "pulled" and by_value.tick() == "pulled"
+    a = [s.sample for s in (*shared.store.train, *shared.store.heldout)]
+    b = [s.sample for s in (*by_value.store.train, *by_value.store.heldout)]
+    assert len(a) == len(b) > 0
+    assert all(torch.equal(x.features, y.features) and torch.equal(x.tokens, y.tokens)
+               for x, y in zip(a, b, strict=True))
+    assert "trained" in {shared.tick() for _ in range(3)}
+    one = shared.store.train[-1].sample.features.nbytes
+    capped = OnlineTrainer(
+        config(server, tmp_path / "c", drafter_dir, store=StoreConfig(heldout_every=4,
+                                                                      max_bytes=4 * one)),
+        ServerLink(server.base_url, share=True))
+    capped.tick()
+    kept = [s.sample for s in capped.store.train]
+    assert 1 <= len(kept) < len(shared.store.train)
+    assert sum(s.features.nbytes for s in kept) <= 3 * one or len(kept) == 1
+    assert torch.equal(kept[-1].features, shared.store.train[-1].sample.features)
+
+
 def test_waits_while_busy_or_paused(server: Served, drafter_dir: Path, tmp_path: Path) -> None:
     trainer = OnlineTrainer(config(server, tmp_path, drafter_dir), ServerLink(server.base_url))
     with server.http() as http:

@@ -81,6 +81,24 @@ def test_cli_trainer_device_and_its_share_of_the_engines_gpu(capsys) -> None:
     assert _leave_the_trainer_its_share(on_gpu).engine.cache.gpu_reserve_bytes == 8 << 30
     elsewhere = replace(on_gpu, training=replace(on_gpu.training, device="cuda:0"))
     assert _leave_the_trainer_its_share(elsewhere).engine.cache.gpu_reserve_bytes == 0
+    # Beside the native engine on its GPU the trainer takes the features by reference, and its
+    # store, there with them, gets half its budget; by value on the CPU or --capture-on-host.
+    assert "--shared-feed" not in cmd
+    cmd = trainer_command(on_gpu, "http://127.0.0.1:1")
+    args = build_parser().parse_args(cmd[cmd.index("online"):])
+    assert args.shared_feed and online_config(args).store.max_bytes == 4 << 30
+    on_host = replace(on_gpu, engine=replace(on_gpu.engine, capture=replace(
+        on_gpu.engine.capture, on_device=False)))
+    assert "--shared-feed" not in trainer_command(on_host, "http://127.0.0.1:1")
+    assert not parse_serve_flags(["--capture-on-host"]).engine.capture.on_device
+    assert parse_serve_flags([]).engine.capture.on_device
+    from trainer.cli import main as trainer_main
+
+    with pytest.raises(SystemExit) as exc:
+        trainer_main(["online", "--fleet", "http://127.0.0.1:9", "--shared-feed",
+                      "--state-dir", "/nonexistent"])
+    assert exc.value.code == 2
+    assert "argument --shared-feed: not with --fleet" in capsys.readouterr().err
     import torch
 
     if torch.version.cuda is None or not torch.cuda.is_available():
@@ -179,6 +197,38 @@ def test_samples_feed_pages_with_a_cursor(served_drafter: Served) -> None:
         assert info["capture"]["samples"] >= len(PROMPTS) and info["capture"]["enabled"]
         assert info["recent_verify_steps"] > 0
         assert 0 <= info["recent_accept_length"] <= SpecConfig().num_draft_tokens
+
+
+def test_samples_by_reference_equal_samples_by_value(served_drafter: Served) -> None:
+    """``share=true`` (a trainer on the server's machine): the engine process lends the
+    features (host shared memory here, CUDA IPC on a GPU) and this process reads the samples
+    the by-value feed sends, bit for bit; a trainer's link asks for it with ``share``."""
+    from safetensors.torch import load as load_blob
+
+    from tlt_serve.engine.capture import header_metadata
+    from trainer.link import ServerLink
+
+    with served_drafter.http() as http:
+        newest = int(http.get("/drafter/samples", params={"after": 0}).headers["x-newest-seq"])
+        resp = http.post("/generate", json={"text": PROMPTS, "sampling_params": GREEDY})
+        assert resp.status_code == 200
+        by_value = http.get("/drafter/samples", params={"after": newest})
+        lent = http.get("/drafter/samples", params={"after": newest, "share": "true"})
+        assert lent.status_code == 200 and lent.headers["x-count"] == str(len(PROMPTS))
+    assert "features_ref" in header_metadata(lent.content)
+    assert not [k for k in load_blob(lent.content) if k.startswith("features")]
+    want, got = decode_samples(by_value.content), decode_samples(lent.content)
+    assert len(got) == len(want) == len(PROMPTS)
+    for a, b in zip(want, got, strict=True):
+        assert (a.seq, a.prompt_len, a.weight_version) == (b.seq, b.prompt_len, b.weight_version)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.features, b.features)
+    link = ServerLink(served_drafter.base_url, share=True)
+    try:
+        pulled, _ = link.samples(newest, 1 << 30)
+    finally:
+        link.close()
+    assert [torch.equal(p.features, a.features) for p, a in zip(pulled, want, strict=True)] \
+        == [True] * len(PROMPTS)
 
 
 def test_target_feed_matches_the_served_model(served_drafter: Served, tiny_model_dir) -> None:

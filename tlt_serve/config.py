@@ -191,6 +191,9 @@ class CaptureConfig:
     enabled: bool = False
     max_bytes: int = 512 << 20  # buffer cap (features + tokens); the oldest samples go first
     sample_rate: float = 1.0  # fraction of finished sequences kept (seeded draw per request)
+    # Features stay on the model's device (a GPU's memory holds up to max_bytes of them);
+    # False: each step copies them to host memory.
+    on_device: bool = True
 
     def validate(self) -> None:
         if self.max_bytes < 1 << 20:

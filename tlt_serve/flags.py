@@ -104,6 +104,9 @@ def parse(argv: list[str]) -> ServerConfig:
                        metavar="MB", help="capture buffer cap; the oldest samples go first")
     serve.add_argument("--capture-sample-rate", type=float, default=CaptureConfig.sample_rate,
                        metavar="P", help="fraction of finished sequences captured")
+    serve.add_argument("--capture-on-host", action="store_true",
+                       help="on a GPU: keep captured features in host memory (each step copies "
+                       "them there) instead of up to --capture-max-mb of the GPU's")
     serve.add_argument("--train-drafter", action="store_true",
                        help="run the co-located drafter trainer (implies --capture): it trains "
                        "in idle gaps and hot-swaps improved drafters into this server")
@@ -154,6 +157,7 @@ def parse(argv: list[str]) -> ServerConfig:
                 enabled=args.capture or args.train_drafter,
                 max_bytes=args.capture_max_mb << 20,
                 sample_rate=args.capture_sample_rate,
+                on_device=not args.capture_on_host,
             ),
             seed=args.seed,
             backend=args.backend,

@@ -21,6 +21,7 @@ from trainer.data import PROMPT_SOURCES, DataConfig
 from trainer.fleet_link import FleetLink
 from trainer.link import LinkError, ServerLink
 from trainer.online import OnlineConfig, OnlineTrainer
+from trainer.store import StoreConfig
 from trainer.train import TrainConfig
 from trainer.warmup import DTYPES, WarmupConfig, warmup
 
@@ -173,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--memory-gib", type=float, default=0.0, metavar="G",
                    help="on a GPU: the most the trainer allocates there (its share beside the "
                    "engine; 0: no cap)")
+    o.add_argument("--shared-feed", action="store_true",
+                   help="the server runs on this machine: take its captured features by "
+                   "reference (on a GPU they never leave it; the sample store then lives "
+                   "there, within half of --memory-gib)")
     o.add_argument("--log-level", default="info")
     e = sub.add_parser(
         "export-vllm",
@@ -212,6 +217,9 @@ def online_config(args: argparse.Namespace) -> OnlineConfig:
         seed=args.seed,
         device=args.device,
         memory_bytes=int(args.memory_gib * 2**30),
+        # fed by reference on a GPU the store holds features there: half the budget at most
+        store=StoreConfig(max_bytes=int(args.memory_gib * 2**29)
+                          if args.shared_feed and args.device.startswith("cuda") else 0),
     )
 
 
@@ -235,10 +243,12 @@ def run_online(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         # never in the engine beside it
         torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory_bytes / total), device)
     link: ServerLink | FleetLink
+    if args.fleet and args.shared_feed:
+        parser.error("argument --shared-feed: not with --fleet (replicas may be elsewhere)")
     if args.fleet:
         link = FleetLink(args.fleet, cfg.api_key, lend_cores=not args.no_lend_cores)
     else:
-        link = ServerLink(cfg.server, cfg.api_key)
+        link = ServerLink(cfg.server, cfg.api_key, share=args.shared_feed)
     trainer = None
     while trainer is None:  # the server may still be starting
         try:

@@ -34,9 +34,13 @@ class TargetTensors:
 
 
 class ServerLink:
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self, url: str, api_key: str | None = None, timeout: float = 60.0, share: bool = False
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = url.rstrip("/")
+        # on the server's machine: ask for features by reference (on a GPU they stay there)
+        self.share = share
         self.http = httpx.Client(base_url=url, timeout=timeout, headers=headers)
         self.cursor = 0  # the last captured sample pulled
 
@@ -86,7 +90,9 @@ class ServerLink:
     def samples(self, after: int, max_bytes: int) -> tuple[list[TrainingSample], int]:
         """Samples captured after ``after`` (a page of at most ``max_bytes``) and the newest
         sequence number the server has."""
-        params = {"after": after, "max_bytes": max_bytes}
+        params: dict[str, Any] = {"after": after, "max_bytes": max_bytes}
+        if self.share:
+            params["share"] = "true"
         resp = self._call("GET", "/drafter/samples", params=params)
         try:
             samples = decode_samples(resp.content)

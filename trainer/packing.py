@@ -81,14 +81,17 @@ def pack_rows(
 
 
 def make_batch(rows: Sequence[Sequence[Segment]], samples: Sequence[Sample]) -> PackedBatch:
-    """Tensors for a list of packed rows (right-padded to the fullest row)."""
+    """Tensors for a list of packed rows (right-padded to the fullest row). Features and
+    targets are built where the samples keep theirs (a GPU store never goes through the
+    host); the small index tensors on the CPU."""
     B = len(rows)
     Q = max(sum(s.end - s.start for s in row) for row in rows)
     first = samples[rows[0][0].sample]
     F, H = int(first.features.shape[-1]), int(first.hidden.shape[-1])
+    where = first.features.device
     tokens = torch.zeros(B, Q, dtype=torch.long)
-    features = torch.zeros(B, Q, F)
-    targets = torch.zeros(B, Q, H)
+    features = torch.zeros(B, Q, F, device=where)
+    targets = torch.zeros(B, Q, H, device=where)
     seg = torch.full((B, Q), -1, dtype=torch.long)
     positions = torch.zeros(B, Q, dtype=torch.long)
     loss_mask = torch.zeros(B, Q, dtype=torch.bool)

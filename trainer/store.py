@@ -6,7 +6,8 @@ windows of at most ``row_len`` pairs with probability proportional to
 RL weight update the new target's samples dominate as soon as they exist, and samples more
 than ``keep_versions`` versions old are dropped. Every ``heldout_every``-th sample (by capture
 order) is held out for the promotion guard; the store keeps at most ``max_tokens`` training
-tokens (oldest evicted first) and a proportional number of held-out ones.
+tokens (oldest evicted first) and a proportional number of held-out ones; with ``max_bytes``
+also at most that many bytes of features (a store on a GPU, fed by reference).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class StoreConfig:
     version_decay: float = 0.25  # sampling weight factor per newer target version
     keep_versions: int = 3  # samples of older target versions are dropped
     min_response: int = 2  # shorter responses carry no training pair
+    max_bytes: int = 0  # features kept (training + held-out); 0: only max_tokens bounds them
 
     def validate(self) -> None:
         checks = [
@@ -36,6 +38,7 @@ class StoreConfig:
             ("heldout_every", self.heldout_every >= 2, ">= 2"),
             ("version_decay", 0.0 <= self.version_decay <= 1.0, "in [0, 1]"),
             ("keep_versions", self.keep_versions >= 1, ">= 1"),
+            ("store_max_bytes", self.max_bytes >= 0, ">= 0"),
         ]
         for name, ok, want in checks:
             if not ok:
@@ -82,9 +85,13 @@ class SampleStore:
     def _evict(self) -> None:
         live = set(self.versions[-self.config.keep_versions :])
         self.versions = [v for v in self.versions if v in live]
-        cap = self.config.max_tokens
-        self.train, self.train_tokens = _trim(self.train, live, cap)
-        self.heldout, _ = _trim(self.heldout, live, max(cap // self.config.heldout_every, 1))
+        cap, every = self.config.max_tokens, self.config.heldout_every
+        # held-out samples get the share they have of captures: one in ``every``
+        byte_cap = self.config.max_bytes or None
+        held_bytes = None if byte_cap is None else max(byte_cap // every, 1)
+        train_bytes = None if byte_cap is None or held_bytes is None else byte_cap - held_bytes
+        self.train, self.train_tokens = _trim(self.train, live, cap, train_bytes)
+        self.heldout, _ = _trim(self.heldout, live, max(cap // every, 1), held_bytes)
         self._cum_weights = None
 
     def age(self, version: str) -> int:
@@ -121,11 +128,18 @@ class SampleStore:
         return newest or [s.sample for s in self.heldout]
 
 
-def _trim(items: deque[Stored], live: set[str], cap: int) -> tuple[deque[Stored], int]:
+def _trim(
+    items: deque[Stored], live: set[str], cap: int, byte_cap: int | None
+) -> tuple[deque[Stored], int]:
+    """The live-version items, oldest dropped until at most ``cap`` tokens (and ``byte_cap``
+    bytes of features) remain; the newest is always kept. Returns them and their tokens."""
     kept = deque(s for s in items if s.weight_version in live)
     total = sum(int(s.sample.tokens.shape[0]) for s in kept)
-    while total > cap and len(kept) > 1:
-        total -= int(kept.popleft().sample.tokens.shape[0])
+    size = sum(s.sample.features.nbytes for s in kept)
+    while (total > cap or (byte_cap is not None and size > byte_cap)) and len(kept) > 1:
+        old = kept.popleft().sample
+        total -= int(old.tokens.shape[0])
+        size -= old.features.nbytes
     return kept, total
 
 

@@ -227,6 +227,9 @@ class GetDrafterInfo(ControlOp[DrafterState]):
 class TakeSamples(ControlOp[Samples]):
     after: int = 0  # the cursor: samples with a larger sequence number
     max_bytes: int = 64 << 20
+    # The asker runs on this machine: features may go by reference (engine/handoff.py) where
+    # the engine can lend them; the reply says which (its blob's metadata).
+    share: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,11 @@ first commits). In-flight sequences hold their features until they finish (at mo
 cache's worth); an aborted sequence, or one whose target weights changed mid-generation (its
 features would mix two targets), is dropped.
 
+Where the model runs on a GPU the features stay there (``on_device``, the default): a step
+never waits for a copy to the host. A consumer on the
+same GPU borrows them by reference (``encode_shared``, ``handoff.py``); one elsewhere gets
+them through one host copy per pull (``encode_samples``).
+
 Samples are numbered in capture order (``seq``); a consumer pulls everything after its
 cursor (``take``), so several consumers and restarts need no state here.
 """
@@ -29,7 +34,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from tlt_serve.config import CaptureConfig
+from tlt_serve.engine.handoff import Lent, open_shared
 from tlt_serve.engine.request import Request
+
+# A live sequence's feature chunks are joined into one past this many (on a GPU: fewer small
+# blocks held in the allocator while a long sequence runs).
+COMPACT_CHUNKS = 32
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,7 +107,7 @@ class CaptureBuffer:
         self, committed: Iterable[tuple[Request, torch.Tensor]], weight_version: str
     ) -> None:
         """Features [m, F] of each request's newly committed positions (read-only tensors, on
-        the model's device; kept on the CPU: the buffer is host memory)."""
+        the model's device; kept there when ``on_device``, else in host memory)."""
         if not self.enabled:
             return
         lives: list[_Live] = []
@@ -111,8 +121,11 @@ class CaptureBuffer:
             live.mixed |= live.weight_version != weight_version
             lives.append(live)
             chunks.append(feats)
-        for live, feats in zip(lives, _to_host(chunks), strict=True):
+        kept = chunks if self.config.on_device else _to_host(chunks)
+        for live, feats in zip(lives, kept, strict=True):
             live.chunks.append(feats)
+            if len(live.chunks) >= COMPACT_CHUNKS:
+                live.chunks = [torch.cat(live.chunks)]
 
     def finish(self, reqs: Sequence[Request], drafter_version: int | None) -> None:
         """Turn finished requests into samples (call after postprocess)."""
@@ -207,31 +220,64 @@ def _to_host(feats: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def encode_samples(samples: Sequence[TrainingSample]) -> bytes:
     """Samples as one safetensors blob: ``tokens.<seq>`` / ``features.<seq>`` tensors and a
-    ``samples`` JSON list (seq, prompt_len, weight_version, drafter_version) in the metadata."""
-    tensors: dict[str, torch.Tensor] = {}
-    meta = []
-    for s in samples:
-        tensors[f"tokens.{s.seq}"] = s.tokens.contiguous()
-        tensors[f"features.{s.seq}"] = s.features.contiguous()
-        meta.append([s.seq, s.prompt_len, s.weight_version, s.drafter_version])
-    return save(tensors, metadata={"samples": json.dumps(meta)})
+    ``samples`` JSON list (seq, prompt_len, weight_version, drafter_version) in the metadata.
+    Features kept on a GPU come to the host in one copy."""
+    tensors = _tokens(samples)
+    for s, feats in zip(samples, _to_host([s.features for s in samples]), strict=True):
+        tensors[f"features.{s.seq}"] = feats.contiguous()
+    return save(tensors, metadata={"samples": _meta(samples)})
+
+
+def encode_shared(samples: Sequence[TrainingSample], lent: Lent) -> bytes:
+    """As ``encode_samples``, but the features go by reference: joined into one tensor where
+    they are (on the GPU: one kernel, no host copy), lent (``lent`` keeps it alive until the
+    borrower asks again), its handle in the metadata (``features_ref``, rows per sample).
+    Only a process on this machine can open it (``decode_samples``)."""
+    meta = {"samples": _meta(samples)}
+    if samples:
+        joined = torch.cat([s.features for s in samples])  # [sum L, F]
+        rows = [int(s.features.shape[0]) for s in samples]
+        meta["features_ref"] = json.dumps({"tensor": lent.lend(joined), "rows": rows})
+    return save(_tokens(samples), metadata=meta)
+
+
+def _tokens(samples: Sequence[TrainingSample]) -> dict[str, torch.Tensor]:
+    return {f"tokens.{s.seq}": s.tokens.contiguous() for s in samples}
+
+
+def _meta(samples: Sequence[TrainingSample]) -> str:
+    return json.dumps([[s.seq, s.prompt_len, s.weight_version, s.drafter_version]
+                       for s in samples])
 
 
 def decode_samples(blob: bytes) -> list[TrainingSample]:
-    """Inverse of ``encode_samples``; ValueError on a malformed blob."""
+    """Inverse of ``encode_samples`` and ``encode_shared`` (lent features are copied out: the
+    samples own their memory, on the device the lender kept them on); ValueError on a
+    malformed blob or a loan that cannot be opened here."""
     try:
         tensors = load(blob)
-        meta = json.loads(header_metadata(blob)["samples"])
+        header = header_metadata(blob)
+        meta = json.loads(header["samples"])
+        if "features_ref" in header:
+            ref = json.loads(header["features_ref"])
+            lent = open_shared(ref["tensor"])  # [sum L, F], the lender's memory
+            rows = [int(n) for n in ref["rows"]]
+            if len(rows) != len(meta) or sum(rows) != lent.shape[0]:
+                raise ValueError("features_ref rows do not match the samples")
+            feats = [part.clone() for part in lent.split(rows)]
+            del lent
+        else:
+            feats = [tensors[f"features.{seq}"] for seq, *_ in meta]
         return [
             TrainingSample(
                 seq=int(seq),
                 tokens=tensors[f"tokens.{seq}"],
-                features=tensors[f"features.{seq}"],
+                features=f,
                 prompt_len=int(prompt_len),
                 weight_version=str(weight_version),
                 drafter_version=None if drafter is None else int(drafter),
             )
-            for seq, prompt_len, weight_version, drafter in meta
+            for (seq, prompt_len, weight_version, drafter), f in zip(meta, feats, strict=True)
         ]
     except (KeyError, TypeError, ValueError, SafetensorError) as err:
         raise ValueError(f"malformed sample blob: {err!r}") from err

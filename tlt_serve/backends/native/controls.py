@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +51,13 @@ from tlt_serve.contract.controls import (
     WeightsUpdated,
 )
 from tlt_serve.contract.reports import EngineInfo, SpecInfo, StatsSnapshot, snapshot_of
-from tlt_serve.engine.capture import encode_samples
+from tlt_serve.engine.capture import TrainingSample, encode_samples, encode_shared
 from tlt_serve.engine.engine import Engine
+from tlt_serve.engine.handoff import Lent
 from tlt_serve.models.loader import iter_safetensors
 from tlt_serve.weight_sync import TensorSpec
+
+log = logging.getLogger("tlt_serve.native")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class NativeControls:
         self.abort_all = abort_all  # aborts every request; the loop sends their final outputs
         self.paused = False
         self.group_name: str | None = None  # the weight-sync group joined, if any
+        self.lent = Lent()  # captured features lent to a trainer on this machine
 
     # ---- reports ---------------------------------------------------------------------------
     def info(self, op: GetInfo) -> EngineInfo:
@@ -214,8 +219,18 @@ class NativeControls:
         if op.after < 0 or op.max_bytes < 1:
             raise ControlError("after: must be >= 0 and max_bytes >= 1", "after")
         samples = capture.take(op.after, min(op.max_bytes, MAX_TAKE_BYTES))
-        return Samples(encode_samples(samples), len(samples),
+        return Samples(self._encode(samples, op.share), len(samples),
                        samples[-1].seq if samples else op.after, capture.last_seq)
+
+    def _encode(self, samples: list[TrainingSample], share: bool) -> bytes:
+        """By reference when asked and the features stay where the model runs; by value
+        where the memory cannot be shared (a full /dev/shm, CUDA's expandable segments)."""
+        if share and self.engine.config.capture.on_device:
+            try:
+                return encode_shared(samples, self.lent)
+            except (RuntimeError, ValueError) as err:
+                log.warning("captured features go by value: sharing them failed: %s", err)
+        return encode_samples(samples)
 
     def drafter_target(self, op: GetDrafterTarget) -> TargetFeed:
         engine, model = self.engine, self.engine.model

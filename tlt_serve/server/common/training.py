@@ -110,6 +110,10 @@ def trainer_command(config: ServerConfig, url: str) -> list[str]:
     if config.training.threads:
         cmd += ["--threads", str(config.training.threads)]
     cmd += ["--device", config.training.device]
+    engine = config.engine
+    if engine.backend == "native" and engine.model.device.startswith("cuda") \
+            and engine.capture.on_device:
+        cmd += ["--shared-feed"]  # the engine's GPU: features go by reference, never the host
     if config.training.memory_bytes:
         cmd += ["--memory-gib", f"{config.training.memory_bytes / 2**30:g}"]
     return cmd

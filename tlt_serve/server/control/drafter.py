@@ -6,7 +6,8 @@
   training state (paused, gate, the trainer's last report).
 - ``POST /pause_drafter_training`` / ``/resume_drafter_training``.
 - For the trainer: ``GET /drafter/gate`` (may it train now: spare capacity, not paused),
-  ``GET /drafter/samples?after=SEQ&max_bytes=N`` (captured samples, safetensors blob),
+  ``GET /drafter/samples?after=SEQ&max_bytes=N[&share=true]`` (captured samples, safetensors
+  blob; ``share``: a trainer on this machine, which may get the features by reference),
   ``GET /drafter/target`` (the target's embedding / norm / head + config, safetensors blob),
   ``POST /drafter/trainer_status`` (its report).
 """
@@ -84,13 +85,15 @@ def drafter_routes() -> APIRouter:
         return json_response(gate(get_state(request)))
 
     @router.get("/drafter/samples", tags=[ADMIN_TAG])
-    async def samples(request: Request, after: int = 0, max_bytes: int = 64 << 20) -> Response:
+    async def samples(
+        request: Request, after: int = 0, max_bytes: int = 64 << 20, share: bool = False
+    ) -> Response:
         st = get_state(request)
         if after < 0:
             raise ParamError("after", f"must be >= 0, got {after}")
         if max_bytes < 1:
             raise ParamError("max_bytes", f"must be >= 1, got {max_bytes}")
-        taken = await st.bridge.call(TakeSamples(after, max_bytes))
+        taken = await st.bridge.call(TakeSamples(after, max_bytes, share))
         headers = {
             "x-count": str(taken.count),
             "x-last-seq": str(taken.last_seq),
