@@ -44,6 +44,9 @@ class CacheConfig:
     # On a GPU (backend vllm): the share of its memory the engine takes; None: what it needs
     gpu_memory_utilization: float | None = None
     gpu_reserve_bytes: int = 0  # GPU memory left to others on the engine's GPU (the trainer)
+    # Reuse the KV of cached prefixes: the native engine keeps finished sequences' KV in free
+    # rows (engine/prefix_cache.py); vLLM's own prefix caching
+    prefix_cache: bool = True
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:

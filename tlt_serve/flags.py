@@ -62,6 +62,10 @@ def parse(argv: list[str]) -> ServerConfig:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
     serve.add_argument("--max-num-seqs", type=int, default=CacheConfig.max_num_seqs)
+    serve.add_argument("--no-prefix-cache", action="store_true",
+                       help="compute every prompt in full (by default a prompt that starts "
+                       "with a finished sequence's tokens reuses their KV: n samples sent as "
+                       "n requests, multi-turn conversations)")
     serve.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                        help="on a GPU (backend vllm): the share of its memory the engine takes "
                        "(default: what weights, KV cache and working memory need)")
@@ -141,7 +145,8 @@ def parse(argv: list[str]) -> ServerConfig:
                               device=args.device or ModelConfig.device,
                               enforce_eager=args.enforce_eager),
             cache=CacheConfig(max_num_seqs=args.max_num_seqs,
-                              gpu_memory_utilization=args.gpu_memory_utilization),
+                              gpu_memory_utilization=args.gpu_memory_utilization,
+                              prefix_cache=not args.no_prefix_cache),
             scheduler=SchedulerConfig(max_waiting=args.max_waiting),
             spec=SpecConfig(
                 method=args.speculative,

@@ -65,6 +65,8 @@ class StatsSnapshot:
     capture_samples: int = 0  # training samples in the capture buffer
     capture_bytes: int = 0  # their features + tokens
     kv_tokens: int = 0  # tokens held in the KV cache now (vLLM: block-granular)
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, ever
+    prefix_entries: int = 0  # finished sequences' KV kept for reuse now (native engine)
     # Median tokens/s per batch-size bucket and strategy, as the adaptive policy measured it.
     spec_policy: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -81,6 +83,8 @@ def snapshot_of(
     capture: CaptureStats | None,
     spec_policy: dict[str, dict[str, float]] | None = None,
     kv_tokens: int = 0,
+    prefix_hit_tokens: int = 0,
+    prefix_entries: int = 0,
 ) -> StatsSnapshot:
     """An engine's counters and live state as one picklable message (copies, not views)."""
     return StatsSnapshot(
@@ -107,4 +111,6 @@ def snapshot_of(
         capture_bytes=capture.bytes if capture is not None else 0,
         spec_policy=spec_policy or {},
         kv_tokens=kv_tokens,
+        prefix_hit_tokens=prefix_hit_tokens,
+        prefix_entries=prefix_entries,
     )

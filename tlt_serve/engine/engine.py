@@ -20,10 +20,11 @@ from tlt_serve.engine.detokenizer import Detokenizer
 from tlt_serve.engine.features import committed_features
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.outputs import StepOutput
+from tlt_serve.engine.prefix_cache import PrefixCache
 from tlt_serve.engine.request import Request
 from tlt_serve.engine.runner import ModelRunner
 from tlt_serve.engine.sampler import Sampler
-from tlt_serve.engine.scheduler import Emitted, Sampled, Scheduler
+from tlt_serve.engine.scheduler import Emitted, Sampled, ScheduledBatch, Scheduler
 from tlt_serve.engine.speculation import SpeculationBuilder, plain_decoding
 from tlt_serve.engine.stats import EngineStats
 from tlt_serve.engine.step_graphs import StepGraphs
@@ -63,13 +64,17 @@ class Engine:
             graphs = StepGraphs(self.model, self.kv, self.spec.feature_layers)
         self.runner = ModelRunner(self.model, self.kv, mc.device, self.spec.feature_layers,
                                   graphs)
+        self.prefix = PrefixCache(rows, self.kv.copy_row) if config.cache.prefix_cache else None
         self.scheduler = Scheduler(
             num_rows=rows,
             max_len=mc.max_model_len,
             max_prefill_tokens=config.scheduler.max_prefill_tokens,
             eos_ids=self.tokenizer.eos_ids,
             move_row=self._move_row,
+            keep=None if self.prefix is None else self._finishing,
+            kept=None if self.prefix is None else self._finished,
         )
+        self._finishing_rows: dict[int, list[int]] = {}  # row → tokens whose KV it holds
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         self.weight_version = "0"
@@ -142,11 +147,48 @@ class Engine:
         return list(self.scheduler.waiting) + self.scheduler.running
 
     def _move_row(self, src: int, dst: int, length: int) -> None:
-        self.kv.copy_row(src, dst, length)
+        kept = self._finishing_rows.pop(dst, None)
+        if kept is None:
+            self.kv.copy_row(src, dst, length)
+        else:  # a finished row the prefix cache keeps: it goes where the moved one was
+            self.kv.swap_rows(src, dst, max(length, len(kept)))
+            self._finishing_rows[src] = kept
         self.spec.move_row(src, dst, length)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    # ---- the prefix cache ------------------------------------------------------------------
+    def _reuse_prefixes(self, batch: ScheduledBatch) -> None:
+        """A prefill's requests start from the longest cached prefix of their prompts. Not
+        while a drafter or capture needs every prompt position's features (the cache keeps
+        KV only)."""
+        for r in batch.samplers:
+            r.kv_version = self.weight_version
+        if self.prefix is None:
+            return
+        use = not (self.spec.needs_features or self.capture.enabled)
+        leads = {id(r) for r in batch.forward}
+        spare = range(max(r.row for r in batch.samplers) + 1, self.kv.rows)
+        claims = [(r.row, r.prompt_ids if use and id(r) in leads else None)
+                  for r in batch.samplers]
+        got = self.prefix.admit(claims, self.weight_version, spare)
+        for r, n in zip(batch.samplers, got, strict=True):
+            if use and id(r) in leads:
+                r.cached_tokens = n
+
+    def _finishing(self, reqs: list[Request]) -> None:
+        """Finished sequences whose KV was all computed under the weights serving now: kept
+        once their rows have moved (``_move_row`` swaps instead of overwriting them)."""
+        for r in reqs:
+            if r.kv_version == self.weight_version:
+                self._finishing_rows[r.row] = (r.prompt_ids + r.output_ids)[: r.num_tokens - 1]
+
+    def _finished(self) -> None:
+        if self.prefix is not None:
+            for row, tokens in self._finishing_rows.items():
+                self.prefix.keep(tokens, row, self.weight_version)
+        self._finishing_rows = {}
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -159,6 +201,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        if batch.is_prefill:
+            self._reuse_prefixes(batch)
         t0 = time.perf_counter()
         plan = self.spec.plan(batch)
         emitted: Sampled | Emitted
@@ -189,6 +233,8 @@ class Engine:
         under the old weights counts less). Updates: ``backends/native/updates.py``."""
         self.weight_version = version
         self.spec.weights_changed()
+        if self.prefix is not None:
+            self.prefix.clear()  # KV computed under the old weights is never reused
 
     def relabel_weights(self, version: str) -> None:
         """Report the current weights under ``version`` (``/update_weight_version``)."""

@@ -29,6 +29,12 @@ class KVCache:
     def scratch_col(self) -> int:
         return self.max_len
 
+    def swap_rows(self, a: int, b: int, length: int) -> None:
+        """Exchange the first ``length`` columns of rows ``a`` and ``b`` (all layers)."""
+        if a != b and length > 0:
+            s = self.storage
+            s[:, :, [a, b], :, :length] = s[:, :, [b, a], :, :length]  # the right side a copy
+
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` columns of row ``src`` into row ``dst`` (all layers)."""
         if src != dst and length > 0:

@@ -66,7 +66,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens whose KV came from a sibling's prefill
+    # prompt tokens whose KV was not computed for it: a sibling's prefill, the prefix cache
+    cached_tokens: int = 0
+    kv_version: str | None = None  # the weight version its prefill ran under
     spec: SpecCounts = field(default_factory=SpecCounts)
     finish: FinishReason | None = None
 

@@ -60,7 +60,9 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> RunOutput:
         """A prefill or plain decode step: logits of each forward row's last position."""
         if batch.is_prefill:
-            starts, tokens = [0] * len(batch.forward), [r.prompt_ids for r in batch.forward]
+            # a prefix already in the row (the prefix cache) is not computed again
+            starts = [r.cached_tokens for r in batch.forward]
+            tokens = [r.prompt_ids[r.cached_tokens:] for r in batch.forward]
         else:
             starts = [r.num_tokens - 1 for r in batch.forward]
             tokens = [[r.last_token] for r in batch.forward]

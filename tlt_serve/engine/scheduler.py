@@ -18,6 +18,7 @@ from tlt_serve.engine.request import FinishReason, Request, Status
 from tlt_serve.sampling_params import SamplingParams
 
 RowMover = Callable[[int, int, int], None]  # (src_row, dst_row, num_tokens)
+Keeper = Callable[[list[Request]], None]
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,16 @@ class Scheduler:
         max_prefill_tokens: int,
         eos_ids: frozenset[int],
         move_row: RowMover,
+        keep: Keeper | None = None,
+        kept: Callable[[], None] | None = None,
     ) -> None:
         self.num_rows = num_rows
         self.max_len = max_len
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_ids = eos_ids
         self.move_row = move_row
+        # the prefix cache: told of the finished rows before rows move, and when they have
+        self.keep, self.kept = keep, kept
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -234,7 +239,10 @@ class Scheduler:
         )
 
     def _release(self, done: list[Request]) -> None:
-        """Free rows of finished running requests, compacting: last row moves into the hole."""
+        """Free rows of finished running requests, compacting: last row moves into the hole.
+        ``keep`` hears of them first, ``kept`` when the rows have moved."""
+        if self.keep is not None:
+            self.keep([r for r in done if r.row >= 0])
         for row in sorted((r.row for r in done if r.row >= 0), reverse=True):
             last = self.running[-1]
             if last.row != row:
@@ -244,6 +252,8 @@ class Scheduler:
             self.running.pop()
         for r in done:
             r.row = -1
+        if self.kept is not None:
+            self.kept()
 
     # ---- aborts ----------------------------------------------------------------------
     def abort(self, rid: str, version: str) -> StepOutput | None:

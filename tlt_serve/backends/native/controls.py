@@ -105,6 +105,7 @@ class NativeControls:
 
     def stats(self, op: GetStats) -> StatsSnapshot:
         engine, sched = self.engine, self.engine.scheduler
+        prefix = engine.prefix.stats() if engine.prefix is not None else None
         return snapshot_of(
             engine.stats,
             running=len(sched.running),
@@ -116,6 +117,8 @@ class NativeControls:
             capture=engine.capture.stats(),
             spec_policy=self.updates.spec.policy.table(),
             kv_tokens=sum(r.num_tokens for r in sched.running),
+            prefix_hit_tokens=prefix.hit_tokens if prefix else 0,
+            prefix_entries=prefix.entries if prefix else 0,
         )
 
     # ---- serving ---------------------------------------------------------------------------
@@ -136,6 +139,8 @@ class NativeControls:
         busy = len(sched.running) + len(sched.waiting)
         if busy:
             raise ControlError(f"cache not flushed: {busy} requests are running or waiting")
+        if self.engine.prefix is not None:
+            self.engine.prefix.clear()
         return Done()
 
     # ---- target weights --------------------------------------------------------------------

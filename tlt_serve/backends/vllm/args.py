@@ -185,7 +185,7 @@ def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec, gpu: Gpu 
         "enforce_eager": gpu is None or mc.enforce_eager,
         "block_size": BLOCK_SIZE,
         "kv_cache_memory_bytes": kv,
-        "enable_prefix_caching": True,
+        "enable_prefix_caching": config.cache.prefix_cache,
         "logprobs_mode": "processed_logprobs",
         "per_request_spec_decode_metrics": "summary" if spec.config else "none",
         "speculative_config": spec.config,

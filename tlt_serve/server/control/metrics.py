@@ -66,6 +66,10 @@ class _SnapshotCollector:
         yield _counter("requests", "Sequences added (n samples count n).", s.requests, model)
         yield _counter("prompt_tokens", "Prompt tokens received.", s.prompt_tokens, model)
         yield _counter("generation_tokens", "Tokens generated.", s.generated_tokens, model)
+        yield _counter("prefix_cache_hit_tokens", "Prompt tokens whose KV the prefix cache "
+                       "held (not computed again).", s.prefix_hit_tokens, model)
+        yield _gauge("prefix_cache_entries", "Finished sequences whose KV is kept for reuse.",
+                     s.prefix_entries, model)
         yield _counter("prefill_steps", "Prefill forwards.", s.prefill_steps, model)
         yield _counter("decode_steps", "Decode forwards (plain and verify).", s.decode_steps,
                        model)

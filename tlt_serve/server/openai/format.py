@@ -10,6 +10,7 @@ from tlt_serve.server.common.jobs import SampleBook, token_texts
 from tlt_serve.server.openai.protocol import (
     ChatLogprobs,
     CompletionLogprobs,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -35,7 +36,12 @@ def stop_reason(
 def usage(book: SampleBook) -> Usage:
     prompt = sum(len(job.prompt_ids) for job in book.jobs)  # each prompt counts once, not n times
     completion = sum(len(r.token_ids) for r in book.samples)
-    return Usage(prompt, completion, prompt + completion)
+    # per prompt its leader's (its other samples copy the leader's prompt KV whole)
+    cached: dict[int, int] = {}
+    for j, r in zip(book.job_of, book.samples, strict=True):
+        cached[j] = min(cached.get(j, r.cached_tokens), r.cached_tokens)
+    details = PromptTokensDetails(sum(cached.values()))
+    return Usage(prompt, completion, prompt + completion, details)
 
 
 def latest_version(book: SampleBook) -> str:

@@ -121,10 +121,15 @@ CHAT_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
 # ---- responses ----------------------------------------------------------------------------
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens whose KV was reused (prefix cache, shared prefill)
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(Struct):

@@ -1,0 +1,158 @@
+"""A prefix cache across requests and turns, in the KV rows no running sequence holds.
+
+When a sequence finishes, the KV of its tokens (prompt and output, all but the last token,
+which was never fed) stays as an entry in the row it ends up in once the running sequences
+are compacted into rows 0..N-1 (the engine swaps a finished row with the one moving into
+it, instead of overwriting it). Admissions take the lowest free rows: an entry there moves
+to a spare row, else gives way. A new prompt whose tokens start with an entry's copies those
+columns into its own row (or finds them there already) and its prefill computes only the
+rest: the n samples of a prompt sent as n requests, a conversation's next turn, a shared
+system prompt.
+
+Exact: an entry holds the KV the target computed for exactly those tokens at those
+positions under the weights it serves now: a weight update (and ``/flush_cache``) empties
+the cache, and entries carry their weight version besides. The last prompt token is always
+computed (its logits sample the first token). Outputs equal outputs without the cache;
+logprobs to within float rounding (a prefix computed in another batch shape). Plain
+Python: testable without a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+RowCopy = Callable[[int, int, int], None]  # (src_row, dst_row, columns)
+
+
+@dataclass
+class Entry:
+    row: int
+    tokens: list[int]  # the tokens whose KV is in columns 0..len - 1 of ``row``
+    version: str  # the weight version that computed it
+    used: int  # the cache's clock at its last use
+
+
+@dataclass(frozen=True)
+class PrefixStats:
+    entries: int
+    tokens: int  # held in entries
+    hits: int  # prefills that reused an entry
+    hit_tokens: int  # prompt tokens not computed thanks to the cache
+    lookups: int
+
+
+class PrefixCache:
+    def __init__(self, num_rows: int, copy_row: RowCopy, min_tokens: int = 1) -> None:
+        self.num_rows = num_rows
+        self.copy_row = copy_row  # KV columns of one row into another (all layers)
+        self.min_tokens = min_tokens  # shorter shared prefixes are computed again
+        self.entries: dict[int, Entry] = {}  # by row
+        self._clock = 0
+        self.hits = self.hit_tokens = self.lookups = 0
+
+    def clear(self) -> None:
+        """Forget every entry (new weights, ``/flush_cache``)."""
+        self.entries.clear()
+
+    # ---- admission ---------------------------------------------------------------------
+    def admit(
+        self, claims: Sequence[tuple[int, Sequence[int] | None]], version: str,
+        spare: Sequence[int],
+    ) -> list[int]:
+        """One step's admissions, (row, prompt) each (prompt None: a sibling, whose KV comes
+        from its leader's row after the forward). Returns per claim how many columns of its
+        prompt's KV its row holds now: the longest entry prefix, at most ``len(prompt) -
+        1``, found there or copied in. Entries in admitted rows move to ``spare`` rows
+        (free, not admitted) while there are some, else are dropped once read; every copy
+        out of a row runs before the copy into it (a cycle: one of them computes instead)."""
+        rows = {row for row, _ in claims}
+        best: list[tuple[Entry | None, int]] = [
+            (None, 0) if p is None else self._longest(p, version) for _, p in claims]
+        for _, p in claims:
+            self.lookups += p is not None
+        in_place = {row for (row, _), (e, _) in zip(claims, best, strict=True)
+                    if e is not None and e.row == row}
+        for entry in [e for e in self.entries.values() if e.row in rows - in_place]:
+            dest = next((r for r in reversed(spare) if r not in self.entries), None)
+            if dest is not None:
+                self.copy_row(entry.row, dest, len(entry.tokens))
+                del self.entries[entry.row]
+                entry.row = dest
+                self.entries[dest] = entry
+        got = [n for _, n in best]
+        pending = [(i, e.row, row) for i, ((row, _), (e, _)) in enumerate(
+            zip(claims, best, strict=True)) if e is not None and e.row != row]
+        while pending:
+            sources = [src for _, src, _ in pending]
+            ready = [c for c in pending if sources.count(c[2]) == 0]
+            if not ready:  # a cycle: the first of it computes its prompt in full
+                got[pending[0][0]] = 0
+                ready, pending = [], pending[1:]
+            for i, src, dst in ready:
+                self.copy_row(src, dst, got[i])
+                pending.remove((i, src, dst))
+        for (used, _), n in zip(best, got, strict=True):
+            if used is not None and n:
+                self._clock += 1
+                used.used = self._clock
+                self.hits += 1
+                self.hit_tokens += n
+        for row in rows:
+            self.entries.pop(row, None)  # running sequences hold them now
+        return got
+
+    def _longest(self, prompt: Sequence[int], version: str) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with ``prompt`` (at most len - 1 tokens, at
+        least ``min_tokens``) and that length; (None, 0) when none does."""
+        best, best_len = None, 0
+        limit = len(prompt) - 1
+        for entry in self.entries.values():
+            if entry.version != version:
+                continue
+            n = _common(entry.tokens, prompt, limit)
+            if n > best_len:
+                best, best_len = entry, n
+        if best_len < self.min_tokens:
+            return None, 0
+        return best, best_len
+
+    # ---- release -----------------------------------------------------------------------
+    def keep(self, tokens: list[int], row: int, version: str) -> None:
+        """Keep the KV of ``tokens`` (columns 0..len - 1 of ``row``, a row no sequence holds
+        now) as an entry; an entry it extends (a conversation's earlier turn) gives way. A
+        sequence whose tokens an entry already starts with, or shorter than
+        ``min_tokens``, is not kept."""
+        if len(tokens) < self.min_tokens:
+            return
+        for entry in list(self.entries.values()):
+            if entry.version != version:
+                continue
+            n = _common(entry.tokens, tokens, len(tokens))
+            if n == len(tokens):
+                self._clock += 1
+                entry.used = self._clock
+                return
+            if n == len(entry.tokens):
+                del self.entries[entry.row]
+        self._clock += 1
+        self.entries[row] = Entry(row, list(tokens), version, self._clock)
+
+    def stats(self) -> PrefixStats:
+        return PrefixStats(len(self.entries), sum(len(e.tokens) for e in self.entries.values()),
+                           self.hits, self.hit_tokens, self.lookups)
+
+
+def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
