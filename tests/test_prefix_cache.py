@@ -28,7 +28,7 @@ class Copies:
 
 def test_admit_takes_the_longest_entry_and_leaves_the_last_prompt_token() -> None:
     copies = Copies()
-    pc = PrefixCache(8, copies)
+    pc = PrefixCache(copies)
     pc.keep([1, 2, 3, 4, 5], row=7, version="0")
     pc.keep([1, 2, 9], row=6, version="0")
     assert copies.done == [] and sorted(pc.entries) == [6, 7]  # kept where they are
@@ -46,7 +46,7 @@ def test_admit_reads_entries_in_admitted_rows_before_writing_them() -> None:
     entry a later row's request needs is read before its own row is written; the rest move
     to spare rows, else go; a copy cycle falls back to computing one prompt."""
     copies = Copies()
-    pc = PrefixCache(8, copies)
+    pc = PrefixCache(copies)
     pc.keep([1, 2, 3], row=0, version="0")
     pc.keep([4, 5, 6], row=1, version="0")
     pc.keep([7, 8, 9], row=2, version="0")
@@ -55,7 +55,7 @@ def test_admit_reads_entries_in_admitted_rows_before_writing_them() -> None:
     # row 0's entry (needed by nobody) moved to the spare row first; row 1's stays in place
     # and is copied into row 0 before anything writes row 1; row 2's has nowhere to go
     assert copies.done == [(0, 5, 3), (1, 0, 3)] and sorted(pc.entries) == [5]
-    cyc = PrefixCache(8, Copies())
+    cyc = PrefixCache(Copies())
     cyc.keep([1, 1], row=0, version="0")
     cyc.keep([2, 2], row=1, version="0")
     assert sorted(cyc.admit([(0, [2, 2, 0]), (1, [1, 1, 0])], "0", spare=[])) == [0, 2]
@@ -65,14 +65,14 @@ def test_admit_reads_entries_in_admitted_rows_before_writing_them() -> None:
 
 
 def test_keep_replaces_an_earlier_turn_and_skips_a_known_prefix() -> None:
-    pc = PrefixCache(4, Copies())
+    pc = PrefixCache(Copies())
     pc.keep([1, 2, 3], row=3, version="0")
     pc.keep([1, 2, 3, 4, 5], row=2, version="0")  # the next turn: the earlier entry goes
     assert list(pc.entries) == [2] and pc.entries[2].tokens == [1, 2, 3, 4, 5]
     pc.keep([1, 2], row=1, version="0")  # an entry starts with it: not kept
     pc.keep([1], row=0, version="1")  # other weights: kept beside
     assert sorted(pc.entries) == [0, 2]
-    short = PrefixCache(4, Copies(), min_tokens=4)
+    short = PrefixCache(Copies(), min_tokens=4)
     short.keep([1, 2, 3], row=3, version="0")
     assert short.entries == {}
 

@@ -13,9 +13,9 @@ cache's worth); an aborted sequence, or one whose target weights changed mid-gen
 features would mix two targets), is dropped.
 
 Where the model runs on a GPU the features stay there (``on_device``, the default): a step
-never waits for a copy to the host. A consumer on the
-same GPU borrows them by reference (``encode_shared``, ``handoff.py``); one elsewhere gets
-them through one host copy per pull (``encode_samples``).
+never waits for a copy to the host. A consumer on the same GPU borrows them by reference
+(``encode_shared``, ``handoff.py``); one elsewhere gets them through one host copy per pull
+(``encode_samples``).
 
 Samples are numbered in capture order (``seq``); a consumer pulls everything after its
 cursor (``take``), so several consumers and restarts need no state here.

@@ -64,7 +64,7 @@ class Engine:
             graphs = StepGraphs(self.model, self.kv, self.spec.feature_layers)
         self.runner = ModelRunner(self.model, self.kv, mc.device, self.spec.feature_layers,
                                   graphs)
-        self.prefix = PrefixCache(rows, self.kv.copy_row) if config.cache.prefix_cache else None
+        self.prefix = PrefixCache(self.kv.copy_row) if config.cache.prefix_cache else None
         self.scheduler = Scheduler(
             num_rows=rows,
             max_len=mc.max_model_len,
@@ -168,13 +168,12 @@ class Engine:
         if self.prefix is None:
             return
         use = not (self.spec.needs_features or self.capture.enabled)
-        leads = {id(r) for r in batch.forward}
+        leads = {id(r) for r in batch.forward} if use else set()
         spare = range(max(r.row for r in batch.samplers) + 1, self.kv.rows)
-        claims = [(r.row, r.prompt_ids if use and id(r) in leads else None)
-                  for r in batch.samplers]
+        claims = [(r.row, r.prompt_ids if id(r) in leads else None) for r in batch.samplers]
         got = self.prefix.admit(claims, self.weight_version, spare)
         for r, n in zip(batch.samplers, got, strict=True):
-            if use and id(r) in leads:
+            if id(r) in leads:
                 r.cached_tokens = n
 
     def _finishing(self, reqs: list[Request]) -> None:

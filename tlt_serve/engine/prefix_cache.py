@@ -30,7 +30,6 @@ class Entry:
     row: int
     tokens: list[int]  # the tokens whose KV is in columns 0..len - 1 of ``row``
     version: str  # the weight version that computed it
-    used: int  # the cache's clock at its last use
 
 
 @dataclass(frozen=True)
@@ -43,12 +42,10 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, num_rows: int, copy_row: RowCopy, min_tokens: int = 1) -> None:
-        self.num_rows = num_rows
+    def __init__(self, copy_row: RowCopy, min_tokens: int = 1) -> None:
         self.copy_row = copy_row  # KV columns of one row into another (all layers)
         self.min_tokens = min_tokens  # shorter shared prefixes are computed again
         self.entries: dict[int, Entry] = {}  # by row
-        self._clock = 0
         self.hits = self.hit_tokens = self.lookups = 0
 
     def clear(self) -> None:
@@ -87,17 +84,12 @@ class PrefixCache:
             sources = [src for _, src, _ in pending]
             ready = [c for c in pending if sources.count(c[2]) == 0]
             if not ready:  # a cycle: the first of it computes its prompt in full
-                got[pending[0][0]] = 0
-                ready, pending = [], pending[1:]
+                got[pending.pop(0)[0]] = 0
             for i, src, dst in ready:
                 self.copy_row(src, dst, got[i])
                 pending.remove((i, src, dst))
-        for (used, _), n in zip(best, got, strict=True):
-            if used is not None and n:
-                self._clock += 1
-                used.used = self._clock
-                self.hits += 1
-                self.hit_tokens += n
+        self.hits += sum(n > 0 for n in got)
+        self.hit_tokens += sum(got)
         for row in rows:
             self.entries.pop(row, None)  # running sequences hold them now
         return got
@@ -130,13 +122,10 @@ class PrefixCache:
                 continue
             n = _common(entry.tokens, tokens, len(tokens))
             if n == len(tokens):
-                self._clock += 1
-                entry.used = self._clock
                 return
             if n == len(entry.tokens):
                 del self.entries[entry.row]
-        self._clock += 1
-        self.entries[row] = Entry(row, list(tokens), version, self._clock)
+        self.entries[row] = Entry(row, list(tokens), version)
 
     def stats(self) -> PrefixStats:
         return PrefixStats(len(self.entries), sum(len(e.tokens) for e in self.entries.values()),
