@@ -1,13 +1,14 @@
 """What a decode step of the whole native engine costs on a device (scheduling, inputs,
-sampling, outputs included), its steps replayed from CUDA graphs against run eagerly
-(``--enforce-eager``), side by side: a random-weight checkpoint at a real shape is written
-once, two engines load it, and each batch size is timed on both in alternating rounds.
-``--arms`` adds engines that capture drafter training samples as they serve: ``capture``
-keeps the features on the device, ``capture-host`` copies them to the host every step
-(``--capture-on-host``): what keeping them there saves a step.
+sampling, outputs included): its steps replayed from CUDA graphs (the decoder layers compiled)
+against run eagerly (``eager``: ``--enforce-eager``) and against captured from the layers as
+written (``uncompiled``: ``--no-compile``), side by side: a random-weight checkpoint at a real
+shape is written once, the engines load it, and each batch size is timed on each in
+alternating rounds. ``--arms`` adds engines that capture drafter training samples as they
+serve: ``capture`` keeps the features on the device, ``capture-host`` copies them to the host
+every step (``--capture-on-host``): what keeping them there saves a step.
 
     python -m benchmarks.engine_steps run --device cuda --shape 1.7b
-    python -m benchmarks.engine_steps run --device cuda --arms graphs,eager,capture,capture-host
+    python -m benchmarks.engine_steps run --device cuda --arms graphs,uncompiled,capture
     python -m benchmarks.engine_steps run --device cpu --shape tiny --batches 1,4 --tokens 8
 
 Set against ``benchmarks.profile steps`` (the model's step alone), the difference is what
@@ -84,20 +85,24 @@ def random_checkpoint(cfg: ArchConfig, out: Path, device: torch.device, seed: in
     return out
 
 
-# arm: (steps run eagerly, samples captured, captured features kept on the device)
-ARMS = {"graphs": (False, False, True), "eager": (True, False, True),
-        "capture": (False, True, True), "capture-host": (False, True, False)}
+# arm: (steps run eagerly, layers compiled, samples captured, captured features kept on the
+# device)
+ARMS = {"graphs": (False, True, False, True), "eager": (True, False, False, True),
+        "uncompiled": (False, False, False, True), "capture": (False, True, True, True),
+        "capture-host": (False, True, True, False)}
 
 
 def _engine(path: Path, a: argparse.Namespace, arm: str) -> Any:
     from tlt_serve import LLM
     from tlt_serve.config import CacheConfig, CaptureConfig, EngineConfig, ModelConfig
 
-    eager, capture, on_device = ARMS[arm]
+    eager, compiled, capture, on_device = ARMS[arm]
     return LLM(config=EngineConfig(
         model=ModelConfig(model=str(path), dtype="bfloat16", device=a.device,
-                          max_model_len=a.context + a.tokens + 8, enforce_eager=eager),
-        cache=CacheConfig(max_num_seqs=max(a.batches)),
+                          max_model_len=a.context + a.tokens + 8, enforce_eager=eager,
+                          compile=compiled),
+        # the same prompts are sent again and again: no cached prefixes, every run prefills
+        cache=CacheConfig(max_num_seqs=max(a.batches), prefix_cache=False),
         capture=CaptureConfig(enabled=capture, on_device=on_device)))
 
 
@@ -127,9 +132,10 @@ def run(a: argparse.Namespace) -> Path:
         for b in tqdm(a.batches, desc=f"engine {a.shape}"):
             prompts = torch.randint(0, cfg.vocab_size, (b, a.context), generator=gen).tolist()
             ms: dict[str, list[float]] = {name: [] for name in engines}
-            for _ in range(a.rounds):
+            for i in range(a.rounds):
                 for name, llm in engines.items():
-                    _generate_s(llm, prompts, 2)  # warm-up: this batch's shapes (graphs)
+                    # warm-up: every step shape of a timed run (graphs), the first time
+                    _generate_s(llm, prompts, a.tokens if i == 0 else 2)
                     one = _generate_s(llm, prompts, 1)
                     full = _generate_s(llm, prompts, a.tokens)
                     ms[name].append(1000 * (full - one) / (a.tokens - 1))

@@ -3,7 +3,8 @@ rows: random-weight Llama / Qwen models at real shapes, bf16, the engine's own m
 
   steps   a plain decode step and a verify step (1 + k rows per sequence) by batch size, the
           drafter's forward, one drafter training micro-step; eager, and replayed from CUDA
-          graphs on a GPU
+          graphs on a GPU, captured from the layers as written and with them compiled (the
+          engine's default), and the kernels of a plain step
   beside  the engine's step time while the drafter trainer trains on the same device (a
           process of its own) against idle, and how fast the trainer yields
 
@@ -29,6 +30,7 @@ from tqdm import tqdm
 
 from benchmarks.common.results import ints, names, pyplot, report, save, tool
 from tlt_serve.models.arch import ArchConfig, RopeConfig
+from tlt_serve.models.compiled import CompiledLayers
 
 
 def _arch(model_type: str, vocab: int, hidden: int, inter: int, layers: int, heads: int,
@@ -115,7 +117,8 @@ class Step:
     given 1 + ``k`` query tokens (k = 0: plain decode; the engine's verify otherwise), as
     the engine's runner builds it; callable eagerly or as a captured CUDA graph."""
 
-    def __init__(self, model: Any, kv: Any, batch: int, k: int, context: int) -> None:
+    def __init__(self, model: Any, kv: Any, batch: int, k: int, context: int,
+                 layer_fn: Any = None) -> None:
         from tlt_serve.engine.runner import extend_batch
 
         device = model.embed_tokens.weight.device
@@ -123,12 +126,12 @@ class Step:
         starts = [context - (b * 37) % min(128, context) for b in range(batch)]
         tokens = [[(b * 131 + j) % model.cfg.vocab_size for j in range(k + 1)]
                   for b in range(batch)]
-        self.model, self.kv, self.k = model, kv, k
+        self.model, self.kv, self.k, self.layer_fn = model, kv, k, layer_fn
         self.fb, self.ids = extend_batch(kv, 0, starts, tokens, str(device))
         self.graph: Any = None
 
     def eager(self) -> torch.Tensor:
-        out = self.model(self.ids, self.fb, self.kv.layers)
+        out = self.model(self.ids, self.fb, self.kv.layers, layer_fn=self.layer_fn)
         hidden = out.hidden  # [B, 1 + k, H]
         if self.k == 0:
             return self.model.logits(hidden[:, -1])  # [B, V]
@@ -271,6 +274,8 @@ def steps(a: argparse.Namespace) -> Path:
         per_token_kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
         wbytes = weight_bytes(model)
         rows: list[dict[str, Any]] = []
+        # the decoder layers compiled (the engine's default on a GPU), captured beside
+        compiled = CompiledLayers() if graphs and shape in a.compiled else None
         todo = [(b, k) for b in a.batches for k in [0, *a.k]]
         for b, k in tqdm(todo, desc=f"steps {shape}"):
             if a.budget_s and time.monotonic() - t0 > a.budget_s:
@@ -279,14 +284,17 @@ def steps(a: argparse.Namespace) -> Path:
             step = Step(model, kv, b, k, a.context)
             with torch.inference_mode():
                 row: dict[str, Any] = {"batch": b, "k": k, "eager_ms": round(timer(step.eager), 4)}
-                if graphs:
+                arms = [("graph", step)] if graphs else []
+                if compiled:
+                    arms.append(("compiled", Step(model, kv, b, k, a.context, compiled)))
+                for arm, s in arms:
                     try:
-                        step.capture()
-                        row["graph_ms"] = round(timer(step.replay), 4)
-                    except RuntimeError as err:  # measured eagerly still; the reason kept
-                        row["graph_error"] = str(err).splitlines()[0][:300]
-                        print(f"{shape} batch {b} k {k}: no CUDA graph: {row['graph_error']}")
-                    step.graph = None
+                        s.capture()
+                        row[f"{arm}_ms"] = round(timer(s.replay), 4)
+                    except Exception as err:  # noqa: BLE001 - measured eagerly still; kept
+                        row[f"{arm}_error"] = str(err).splitlines()[0][:300]
+                        print(f"{shape} batch {b} k {k}: no {arm} graph: {row[f'{arm}_error']}")
+                    s.graph = None
             if k == 0 and a.bandwidth_gbs:
                 floor = (wbytes + b * a.context * per_token_kv) / (a.bandwidth_gbs * 1e6)
                 row["floor_ms"] = round(floor, 4)
@@ -295,7 +303,11 @@ def steps(a: argparse.Namespace) -> Path:
                 torch.cuda.empty_cache()
         plain = {r["batch"]: r for r in rows if r["k"] == 0}
         for r in rows:
-            for mode in ("eager_ms", "graph_ms"):
+            if "floor_ms" in r:
+                for mode in ("graph_ms", "compiled_ms"):
+                    if mode in r:
+                        r[mode.replace("_ms", "_vs_floor")] = round(r[mode] / r["floor_ms"], 3)
+            for mode in ("eager_ms", "graph_ms", "compiled_ms"):
                 if mode in r and r["k"] and r["batch"] in plain:
                     r[mode.replace("_ms", "_vs_plain")] = round(
                         r[mode] / plain[r["batch"]][mode], 4)
@@ -307,6 +319,16 @@ def steps(a: argparse.Namespace) -> Path:
         drafter["train_pairs"] = a.train_rows * a.train_row_len
         shapes[shape] = {"weight_bytes": wbytes, "kv_bytes_per_token": per_token_kv,
                          "rows": rows, "drafter": drafter}
+        if device.type == "cuda" and a.kernels:
+            listed: dict[str, Any] = {}
+            for arm, fn in (("layers", None), ("compiled", compiled)):
+                if arm == "layers" or fn is not None:
+                    try:
+                        listed[arm] = kernels(Step(model, kv, 1, 0, a.context, fn))
+                    except Exception as err:  # noqa: BLE001 - a diagnostic; the rest stands
+                        listed[arm] = {"error": str(err).splitlines()[0][:300]}
+                        print(f"  kernels ({arm}): {listed[arm]['error']}")
+            shapes[shape]["kernels"] = listed
         _print(shape, rows, drafter)
         del model, kv, serving, training
         if device.type == "cuda":
@@ -319,15 +341,45 @@ def steps(a: argparse.Namespace) -> Path:
 
 
 def _print(shape: str, rows: list[dict[str, Any]], drafter: dict[str, Any]) -> None:
-    print(f"\n{shape}: {'batch':>5} {'k':>2} {'eager ms':>9} {'graph ms':>9} {'x plain':>8} "
-          f"{'floor ms':>9}")
+    print(f"\n{shape}: {'batch':>5} {'k':>2} {'eager ms':>9} {'graph ms':>9} {'compiled':>9} "
+          f"{'x plain':>8} {'floor ms':>9}")
+    nan = float("nan")
     for r in rows:
-        ratio = r.get("graph_vs_plain", r.get("eager_vs_plain"))
+        ratio = r.get("compiled_vs_plain", r.get("graph_vs_plain", r.get("eager_vs_plain")))
         print(f"{'':>{len(shape) + 1}} {r['batch']:>5} {r['k']:>2} {r['eager_ms']:>9.3f} "
-              f"{r.get('graph_ms', float('nan')):>9.3f} "
-              f"{ratio if ratio is not None else float('nan'):>8.3f} "
-              f"{r.get('floor_ms', float('nan')):>9.3f}")
+              f"{r.get('graph_ms', nan):>9.3f} {r.get('compiled_ms', nan):>9.3f} "
+              f"{ratio if ratio is not None else nan:>8.3f} {r.get('floor_ms', nan):>9.3f}")
     print(f"  drafter: {drafter}")
+
+
+def kernels(step: Step, runs: int = 3) -> dict[str, Any]:
+    """The CUDA kernels of one eager step (the ones its graph replays): how many, the sum of
+    their times, and the ten that take longest in all, from torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        for _ in range(2):
+            step.eager()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                step.eager()
+            torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(e.name, []).append(e.device_time / 1000)  # ms
+    count = sum(len(v) for v in by_name.values()) / runs
+    total = sum(sum(v) for v in by_name.values()) / runs
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    listed = [{"name": n[:90], "per_step": round(len(v) / runs, 1),
+               "ms_per_step": round(sum(v) / runs, 4)} for n, v in top]
+    print(f"  kernels ({'compiled' if step.layer_fn else 'layers'}): {count:.1f} per step, "
+          f"{total:.4f} ms of kernel time")
+    for t in listed:
+        print(f"    {t['ms_per_step']:>8.4f} ms {t['per_step']:>6} x {t['name']}")
+    return {"kernels_per_step": round(count, 1), "kernel_ms_per_step": round(total, 4),
+            "top": listed}
 
 
 def plot_steps(result: dict[str, Any], png: Path) -> None:
@@ -335,7 +387,8 @@ def plot_steps(result: dict[str, Any], png: Path) -> None:
     shapes = result["shapes"]
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     for ax, (shape, prof) in zip(axes[0], shapes.items(), strict=True):
-        mode = "graph_ms" if any("graph_ms" in r for r in prof["rows"]) else "eager_ms"
+        modes = [m for m in ("compiled_ms", "graph_ms") if any(m in r for r in prof["rows"])]
+        mode = modes[0] if modes else "eager_ms"
         for k in sorted({r["k"] for r in prof["rows"]}):
             pts = [(r["batch"], r[mode]) for r in prof["rows"] if r["k"] == k]
             ax.plot(*zip(*pts, strict=True), marker="o", label="plain" if k == 0 else f"k={k}")
@@ -485,6 +538,11 @@ def _steps_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="also replay each step from a CUDA graph (CUDA only)")
+    p.add_argument("--compiled", type=names, default=list(SHAPES),
+                   help="shapes whose steps are also captured with the decoder layers compiled "
+                   "(the engine's default on a GPU)")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CUDA, list the kernels of a plain step at batch 1 (torch profiler)")
     p.add_argument("--draft-vocab", type=int, default=32768)
     p.add_argument("--train-rows", type=int, default=8)
     p.add_argument("--train-row-len", type=int, default=512)

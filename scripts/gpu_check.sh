@@ -21,14 +21,15 @@
 #      capture's pinned copies (tests/test_step_copy.py) and the GPU probe
 #      (tests/test_devices.py);
 #   3. the step cost profile (python -m benchmarks.profile steps): random-weight models at
-#      the shapes of Qwen2.5-0.5B, Qwen3-1.7B and Llama-3.1-8B in bf16, plain and verify
-#      steps by batch size, eager and from CUDA graphs, the drafter's forward and a training
-#      micro-step -> profile_steps.json / .png;
+#      the shapes of Qwen3-1.7B, Llama-3.1-8B and Qwen2.5-0.5B in bf16, plain and verify
+#      steps by batch size, eager and from CUDA graphs (the layers as written and compiled),
+#      the kernels of a plain step, the drafter's forward and a training micro-step ->
+#      profile_steps.json / .png;
 #   4. the trainer beside the engine (python -m benchmarks.profile beside): the engine's
 #      step time while the drafter trains on the same GPU vs idle, and the trainer's yield
 #      -> profile_beside.json / .png;
-#   5. the whole native engine's decode step by batch size, from CUDA graphs against eager,
-#      and capturing drafter samples with features kept on the GPU against copied to the
+#   5. the whole native engine's decode step by batch size, from CUDA graphs (layers compiled)
+#      against graphs of the layers as written and against eager, and capturing drafter samples with features kept on the GPU against copied to the
 #      host each step (python -m benchmarks.engine_steps run) -> engine_steps.json / .png;
 #   6. with --vllm: scripts/install.sh --vllm, then tests/test_vllm_compat.py and
 #      tests/test_vllm_backend.py (the real default model, downloaded by pip).
@@ -85,15 +86,15 @@ git log -1 --format='commit %h %cd' 2>/dev/null || true
 part nvml 30 "$PY" -c "from tlt_serve.devices import gpus; print('GPUs found by NVML:', gpus())"
 
 if [ "$DEVICE" = cuda ]; then
-  part tests 120 env TLT_REQUIRE_CUDA=1 "$PY" -m pytest -q --noconftest -p no:cacheprovider \
+  part tests 200 env TLT_REQUIRE_CUDA=1 "$PY" -m pytest -q --noconftest -p no:cacheprovider \
     tests/test_cuda.py tests/test_step_copy.py tests/test_devices.py
-  part profile 210 "$PY" -m benchmarks.profile steps --device cuda --shapes 1.7b,0.5b,8b \
-    --k 1,2,4,8 --iters 5 --repeats 3 --bandwidth-gbs 4300 --budget-s 150 \
+  part profile 270 "$PY" -m benchmarks.profile steps --device cuda --shapes 1.7b,8b,0.5b \
+    --compiled 1.7b,8b --k 1,4,8 --iters 5 --repeats 3 --bandwidth-gbs 4300 --budget-s 200 \
     --out "$DEST/profile_steps.json"
   part beside 70 "$PY" -m benchmarks.profile beside --device cuda --shape 1.7b --batch 16 \
     --out "$DEST/profile_beside.json"
-  part engine 180 "$PY" -m benchmarks.engine_steps run --device cuda --shape 1.7b \
-    --arms graphs,eager,capture,capture-host --batches 1,16,64 --rounds 2 \
+  part engine 200 "$PY" -m benchmarks.engine_steps run --device cuda --shape 1.7b \
+    --arms graphs,uncompiled,eager,capture,capture-host --batches 1,16,64 --rounds 2 \
     --out "$DEST/engine_steps.json"
 else
   part tests 600 env TLT_TEST_DEVICE=cpu "$PY" -m pytest -q --noconftest -p no:cacheprovider \

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from tests.tiny import make_tiny_drafter, make_tiny_model
 from tlt_serve import LLM, SamplingParams
@@ -17,6 +18,7 @@ from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.runner import extend_batch
 from tlt_serve.engine.step_graphs import StepGraphs, StepShape
+from tlt_serve.models.compiled import CompiledLayers
 from tlt_serve.models.loader import build_model
 
 MAX_LEN = 300
@@ -27,13 +29,20 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("graphs") / "llama")
 
 
-def test_static_steps_change_no_real_row(target: Path) -> None:
+@pytest.mark.parametrize("layers", ["own", "regions", "compiled"])
+def test_static_steps_change_no_real_row(target: Path, layers: str) -> None:
+    """``layers``: the layers' own forward; the regions ``CompiledLayers`` runs, eagerly;
+    the same regions compiled by torch.compile (Inductor's CPU code here)."""
     model = build_model(target, torch.float32, MAX_LEN + 16)
     eager_kv = KVCache(model.cfg, 8, MAX_LEN, torch.float32)
     eager_kv.storage.normal_(generator=torch.Generator().manual_seed(0))  # others' rows
     static_kv = KVCache(model.cfg, 8, MAX_LEN, torch.float32)
     static_kv.storage.copy_(eager_kv.storage)
-    graphs = StepGraphs(model, static_kv, aux_layers=(0,), capture=False)
+    graphs = StepGraphs(model, static_kv, aux_layers=(0,), capture=False,
+                        compile=layers == "compiled")
+    if layers == "regions":
+        graphs.layer_fn = CompiledLayers(compile=False)
+    compiled_before = counters["stats"]["unique_graphs"]
     steps = [  # (starts, tokens): decode, ragged and uniform; verify with ragged drafts
         ([40, 7, 120], [[5], [9], [11]]),
         ([50] * 5, [[3]] * 5),
@@ -60,6 +69,41 @@ def test_static_steps_change_no_real_row(target: Path) -> None:
                                    eager_kv.storage[..., :MAX_LEN, :], atol=1e-5, rtol=0)
     assert set(graphs.steps) == {StepShape(4, 1, 128), StepShape(8, 1, 64),
                                  StepShape(8, 4, 256), StepShape(1, 3, MAX_LEN + 1)}
+    assert (graphs.layer_fn is None) == (layers == "own")  # no fallback happened
+    if layers == "compiled":  # dynamo made graphs of the regions (not a silent eager run)
+        assert counters["stats"]["unique_graphs"] > compiled_before
+
+
+def test_warming_up_captures_every_size_and_writes_only_scratch(target: Path) -> None:
+    model = build_model(target, torch.float32, MAX_LEN + 16)
+    kv = KVCache(model.cfg, 8, MAX_LEN, torch.float32)
+    kv.storage.normal_(generator=torch.Generator().manual_seed(0))
+    before = kv.storage.clone()
+    graphs = StepGraphs(model, kv, capture=False)
+    graphs.warm((1, 5))
+    assert set(graphs.steps) == {StepShape(b, q, 64) for b in (1, 2, 4, 8) for q in (1, 5)}
+    assert torch.equal(kv.storage[..., :MAX_LEN, :], before[..., :MAX_LEN, :])
+
+
+def test_a_failing_compile_falls_back_to_the_layers(target: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    model = build_model(target, torch.float32, MAX_LEN + 16)
+    kv = KVCache(model.cfg, 8, MAX_LEN, torch.float32)
+    graphs = StepGraphs(model, kv, capture=False)
+    graphs.layer_fn = CompiledLayers(compile=False)
+
+    def no_compiler(*args: object) -> None:
+        raise RuntimeError("no C compiler found\nmore")
+
+    graphs.layer_fn.layer_in = no_compiler
+    starts, tokens = [40, 7], [[5], [9]]
+    real, ids = extend_batch(kv, 0, starts, tokens)
+    shape = graphs.shape_of(0, 2, 1, real.kv_len)
+    assert shape is not None
+    got = graphs.run(shape, real, ids)
+    assert graphs.layer_fn is None and "no C compiler found" in caplog.text
+    fb, ids = extend_batch(kv, 0, starts, tokens)
+    torch.testing.assert_close(got.hidden, model(ids, fb, kv.layers).hidden, atol=1e-5, rtol=0)
 
 
 def test_the_static_shape_of_a_step() -> None:
@@ -78,7 +122,7 @@ def test_the_static_shape_of_a_step() -> None:
     assert StepGraphs(None, kv, capture=False, max_batch=6).sizes == [1, 2, 4]  # type: ignore[arg-type]
 
 
-def _llm(target: Path, spec: SpecConfig, static: bool) -> LLM:
+def _llm(target: Path, spec: SpecConfig, static: bool, regions: bool = False) -> LLM:
     llm = LLM(config=EngineConfig(
         model=ModelConfig(model=str(target), dtype="float32", max_model_len=256),
         cache=CacheConfig(max_num_seqs=8), spec=spec))
@@ -86,12 +130,15 @@ def _llm(target: Path, spec: SpecConfig, static: bool) -> LLM:
         engine = llm.engine
         engine.runner.graphs = StepGraphs(engine.model, engine.kv, engine.spec.feature_layers,
                                           capture=False)
+        if regions:  # the layers as the compiled regions run them (uncompiled: the CPU's)
+            engine.runner.graphs.layer_fn = CompiledLayers(compile=False)
     return llm
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "drafter"])
+@pytest.mark.parametrize(("method", "regions"), [("none", False), ("ngram", False),
+                                                ("drafter", False), ("drafter", True)])
 def test_an_engine_on_static_steps_decodes_what_plain_decoding_does(
-        target: Path, tmp_path: Path, method: str) -> None:
+        target: Path, tmp_path: Path, method: str, regions: bool) -> None:
     spec = SpecConfig()
     if method == "ngram":
         spec = SpecConfig(method="ngram")
@@ -102,7 +149,7 @@ def test_an_engine_on_static_steps_decodes_what_plain_decoding_does(
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True)
               for n in (40, 7, 64, 23)]
     plain = _llm(target, SpecConfig(), static=False).generate(prompts, params)
-    static = _llm(target, spec, static=True)
+    static = _llm(target, spec, static=True, regions=regions)
     got = static.generate(prompts, params)
     for ref, out in zip(plain, got, strict=True):
         assert out.samples[0].token_ids == ref.samples[0].token_ids

@@ -28,6 +28,9 @@ class ModelConfig:
     # On a GPU: every step eagerly, no CUDA graphs (the native engine's decode and verify
     # steps; vLLM's own graphs)
     enforce_eager: bool = False
+    # On a GPU, with CUDA graphs: the decoder layers' small ops (norms, rotation, residuals,
+    # gate) fused by torch.compile in the steps the graphs replay
+    compile: bool = True
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

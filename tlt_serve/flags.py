@@ -47,6 +47,10 @@ def parse(argv: list[str]) -> ServerConfig:
     serve.add_argument("--enforce-eager", action="store_true",
                        help="on a GPU, run every step eagerly: no CUDA graphs (the native "
                        "engine's decode and verify steps, vLLM's own)")
+    serve.add_argument("--no-compile", action="store_true",
+                       help="on a GPU, capture the native engine's CUDA graphs from the "
+                       "decoder layers as written, without fusing their small ops by "
+                       "torch.compile (faster start, slower small steps)")
     serve.add_argument("--api-key", default=os.environ.get("TLT_SERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $TLT_SERVE_API_KEY, "
                        "which keeps the key out of the process list)")
@@ -143,7 +147,7 @@ def parse(argv: list[str]) -> ServerConfig:
         engine=EngineConfig(
             model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                               device=args.device or ModelConfig.device,
-                              enforce_eager=args.enforce_eager),
+                              enforce_eager=args.enforce_eager, compile=not args.no_compile),
             cache=CacheConfig(max_num_seqs=args.max_num_seqs,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               prefix_cache=not args.no_prefix_cache),

@@ -61,7 +61,13 @@ class Engine:
         self.capture = CaptureBuffer(config.capture, seed=config.seed)
         graphs = None
         if mc.device.startswith("cuda") and not mc.enforce_eager:
-            graphs = StepGraphs(self.model, self.kv, self.spec.feature_layers)
+            graphs = StepGraphs(self.model, self.kv, self.spec.feature_layers,
+                                compile=mc.compile)
+            t1 = time.perf_counter()
+            depth = 0 if config.spec.method == "off" else config.spec.num_draft_tokens
+            graphs.warm((1, 1 + depth) if depth else (1,))
+            log.info("captured %d CUDA graphs%s in %.1fs", len(graphs.steps),
+                     " (layers compiled)" if graphs.layer_fn else "", time.perf_counter() - t1)
         self.runner = ModelRunner(self.model, self.kv, mc.device, self.spec.feature_layers,
                                   graphs)
         self.prefix = PrefixCache(self.kv.copy_row) if config.cache.prefix_cache else None

@@ -13,7 +13,10 @@ graph replays fixed shapes and fixed addresses, so a step is given one here:
 - the query length (1 + drafts) is kept exactly;
 - inputs are copied into the graph's own buffers before each replay, outputs copied out.
 
-A shape's graph is captured the first time it is needed (all graphs share one memory pool).
+With ``compile=True`` each layer of a static step runs through ``CompiledLayers`` (its small
+ops fused by torch.compile); where compiling fails (no compiler, say) the steps fall back to
+the layers' own forward, with a warning. A shape's graph is captured the first time it is
+needed (all graphs share one memory pool).
 Prefill, draft trees and batches not starting at row 0 or larger than the largest size run
 eagerly. With ``capture=False`` the same padded steps run eagerly: how the CPU tests check
 that the padding changes no real row's output.
@@ -21,6 +24,7 @@ that the padding changes no real row's output.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +33,10 @@ import torch
 
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
-from tlt_serve.models.llama import LlamaModel, ModelOutput
+from tlt_serve.models.compiled import CompiledLayers
+from tlt_serve.models.llama import LayerFn, LlamaModel, ModelOutput
+
+log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_KEYS = 64
@@ -46,10 +53,12 @@ class StaticStep:
     """One step shape: its input buffers, its forward (captured or eager) and its outputs."""
 
     def __init__(self, shape: StepShape, model: LlamaModel, kv: KVCache,
-                 aux_layers: tuple[int, ...], capture: bool, pool: Any) -> None:
+                 aux_layers: tuple[int, ...], capture: bool, pool: Any,
+                 layer_fn: LayerFn | None = None) -> None:
         Bp, Q, K = shape.batch, shape.queries, shape.keys
         device = kv.storage.device
         self.shape, self.model, self.kv, self.aux_layers = shape, model, kv, aux_layers
+        self.layer_fn = layer_fn
         kv_heads, row_len = kv.storage.shape[3], kv.storage.shape[4]
         scratch = torch.full((Bp, Q), kv.scratch_col, dtype=torch.long, device="cpu")  # [Bp, Q]
         # [Bp, kvH * Q]: each padding row writes its own scratch column only
@@ -64,13 +73,16 @@ class StaticStep:
         self.out: ModelOutput | None = None
         if capture:
             self._capture(pool)
+        else:  # what capturing runs first (compiling, where layers compile): it fails here
+            self._forward()
 
     def _forward(self) -> ModelOutput:
         # a new batch each time: what it derives once per forward (the attention mask as
         # torch's attention takes it) is derived again from the buffers, or captured
         batch = ForwardBatch(0, self.positions, self.write_index.view(-1), self.mask,
                              self.shape.keys)
-        out: ModelOutput = self.model(self.ids, batch, self.kv.layers, self.aux_layers)
+        out: ModelOutput = self.model(self.ids, batch, self.kv.layers, self.aux_layers,
+                                      self.layer_fn)
         return out
 
     def _capture(self, pool: Any) -> None:
@@ -116,9 +128,11 @@ class StepGraphs:
     """The runner's static steps by shape; ``run`` answers None for a step it does not take."""
 
     def __init__(self, model: LlamaModel, kv: KVCache, aux_layers: Sequence[int] = (),
-                 capture: bool = True, max_batch: int = BATCH_SIZES[-1]) -> None:
+                 capture: bool = True, max_batch: int = BATCH_SIZES[-1],
+                 compile: bool = False) -> None:
         self.model, self.kv, self.aux_layers = model, kv, tuple(aux_layers)
         self.capture = capture
+        self.layer_fn: CompiledLayers | None = CompiledLayers() if compile else None
         self.sizes = [b for b in BATCH_SIZES if b <= min(max_batch, kv.rows)]
         self.steps: dict[StepShape, StaticStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -138,9 +152,37 @@ class StepGraphs:
         ``extend_batch`` makes them) at ``shape``, its graph captured on first use."""
         step = self.steps.get(shape)
         if step is None:
-            step = self.steps[shape] = StaticStep(shape, self.model, self.kv, self.aux_layers,
-                                                  self.capture, self.pool)
+            step = self.steps[shape] = self._new_step(shape)
         return step.run(real, ids)
+
+    def _new_step(self, shape: StepShape) -> StaticStep:
+        try:
+            return StaticStep(shape, self.model, self.kv, self.aux_layers, self.capture,
+                              self.pool, self.layer_fn)
+        except Exception as err:  # noqa: BLE001 - compiling is an optimisation
+            if self.layer_fn is None:
+                raise
+            # the warm-up failed before capture began: nothing was written but the K/V the
+            # step writes again
+            log.warning("compiled decoder layers failed (%s: %s); static steps run the "
+                        "layers' own forward", type(err).__name__, str(err).splitlines()[0])
+            self.layer_fn = None
+            self.steps.clear()
+            if self.pool is not None:
+                self.pool = torch.cuda.graph_pool_handle()
+            return StaticStep(shape, self.model, self.kv, self.aux_layers, self.capture,
+                              self.pool)
+
+    def warm(self, queries: Sequence[int]) -> None:
+        """Capture (and compile) the steps of every batch size for each query length in
+        ``queries`` at the fewest keys, before serving asks for them: their first use would
+        otherwise wait for it. A step captured this way writes only padding rows' scratch
+        columns."""
+        for q in queries:
+            for b in self.sizes:
+                shape = StepShape(b, q, min(MIN_KEYS, int(self.kv.storage.shape[4])))
+                if shape not in self.steps:
+                    self.steps[shape] = self._new_step(shape)
 
     def clear(self) -> None:
         self.steps.clear()

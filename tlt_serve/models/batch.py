@@ -96,11 +96,17 @@ class ForwardBatch:
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """[R, ...] per real token → [B, Q, ...] with zeros at padding (identity if unpacked)."""
-        if self.packed is None:
-            return x
         B, Q = self.positions.shape
-        full = x.new_zeros(B * Q, *x.shape[1:])  # [B * Q, ...]
-        return full.index_copy_(0, self.packed, x).view(B, Q, *x.shape[1:])
+        return unpack(x, self.packed, B, Q)
+
+
+def unpack(x: torch.Tensor, packed: torch.Tensor | None, B: int, Q: int) -> torch.Tensor:
+    """[R, ...] per real token (``packed`` [R]: their slots among B * Q) → [B, Q, ...] with
+    zeros at padding; x itself when ``packed`` is None."""
+    if packed is None:
+        return x
+    full = x.new_zeros(B * Q, *x.shape[1:])  # [B * Q, ...]
+    return full.index_copy_(0, packed, x).view(B, Q, *x.shape[1:])
 
 
 def flat_write_index(

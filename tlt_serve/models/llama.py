@@ -8,8 +8,9 @@ share a KV head are folded into the query-length axis.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +18,13 @@ from torch import nn
 
 from tlt_serve.kernels import MATVEC_ROWS, CpuKernels, LayerKernel, MatVec, NormKernel, RowAttention
 from tlt_serve.models.arch import ArchConfig
-from tlt_serve.models.batch import ForwardBatch
+from tlt_serve.models.batch import ForwardBatch, unpack
 from tlt_serve.models.rope import apply_rope, cos_sin_table
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # K, V, each [S, kvH, L+1, D]
+# (layer, x, rope, batch, kv) → x': how ``LlamaModel.forward`` may run a layer
+LayerFn = Callable[["DecoderLayer", torch.Tensor, torch.Tensor, ForwardBatch, KVLayer],
+                   torch.Tensor]
 # Without bf16 GEMM units, up to this many rows (decode and verify batches) the own bf16
 # kernel multiplies; more rows (prefill) go to the fp32 GEMM (see ``Linear``). Measured on an
 # AVX2 host on the default model's projections: the kernel is 3-6x faster at 1-16 rows, 1.3x
@@ -109,54 +113,90 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, batch: ForwardBatch, kv: KVLayer
     ) -> torch.Tensor:
-        cfg = self.cfg
-        B, Q = batch.positions.shape  # x: [B, Q, H], or [R, H] real tokens (batch.packed)
-        D, kvH, G = cfg.head_dim, cfg.num_kv_heads, self.group
-        qkv = batch.unpack(self.qkv_proj(x))  # [B, Q, q + 2 kv]
-        qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
-        qk = qk.view(B, Q, kvH * G + kvH, D)  # q heads then k heads
-        v = v.view(B, Q, kvH, D)
-        if cfg.qk_norm:
-            q, k = qk.split([kvH * G, kvH], dim=2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        cos, sin = rope[:, :, 0:1], rope[:, :, 1:2]  # [B, Q, 1, D] each
-        q, k = apply_rope(qk, cos, sin).split([kvH * G, kvH], dim=2)  # one rotation for both
-
-        k_cache, v_cache = kv  # [S, kvH, L+1, D]
-        # Write this step's K/V: [B, Q, kvH, D] → [B, kvH, Q, D] rows of the flat cache.
-        k_cache.view(-1, D).index_copy_(0, batch.write_index, k.transpose(1, 2).reshape(-1, D))
-        v_cache.view(-1, D).index_copy_(0, batch.write_index, v.transpose(1, 2).reshape(-1, D))
-        lens = _kernel_lens(batch, q, k_cache)  # [B, Q] or None
+        """x [B, Q, H] (or [R, H] real tokens, ``batch.packed``), normed → [B, Q, H] (or
+        [R, H]); writes the step's K/V into the rows ``batch`` names."""
+        q, k, v = self.project(x, rope, batch.packed)
+        self.write(k, v, batch.write_index, kv)
+        lens = _kernel_lens(batch, q, kv[0])  # [B, Q] or None
         if self.kernel is not None and lens is not None:
             # Query j of row b attends its kv_lens[b, j] keys (columns [0, kv_lens), or a tree
             # node's prefix + ancestors): no mask, no view, one call (24 vs 50-75 us for
             # torch's SDPA at batch 1 and 300 cached tokens here), and a token gets the same
             # output in a verify step (chain or tree) as in a decode step.
-            q5 = q.reshape(B, Q, kvH, G, D)
-            bits = batch.kernel_bits
-            out = self.kernel(q5, k_cache, v_cache, batch.row_lo, lens, bits, self.scale)
-            out = out.view(B, Q, cfg.q_size)  # [B, Q, kvH * G * D]
+            B, Q = q.shape[:2]
+            q5 = q.reshape(B, Q, self.cfg.num_kv_heads, self.group, self.cfg.head_dim)
+            out = self.kernel(q5, kv[0], kv[1], batch.row_lo, lens, batch.kernel_bits,
+                              self.scale)
+            out = out.view(B, Q, self.cfg.q_size)  # [B, Q, kvH * G * D]
         else:
-            rows = slice(batch.row_lo, batch.row_lo + B)
-            keys = k_cache[rows, :, : batch.kv_len]  # [B, kvH, Kv, D] (view)
-            values = v_cache[rows, :, : batch.kv_len]
-            out = self._sdpa(q, keys, values, batch.sdpa_mask(G, q.dtype))  # [B, Q, q]
-        if batch.packed is not None:
-            out = out.view(B * Q, cfg.q_size).index_select(0, batch.packed)  # [R, q]
-        return self.o_proj(out)
+            out = self.attend(q, kv, batch.row_lo, batch.kv_len, batch.sdpa_mask(self.group,
+                                                                                 q.dtype))
+        return self.output(out, batch.packed)
 
-    def _sdpa(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """torch's attention; q [B, Q, kvH * G, D], keys / values [B, kvH, Kv, D], mask
-        [B, 1, G * Q, Kv] additive (``ForwardBatch.sdpa_mask``) or None → [B, Q, q]. The G
-        query heads of each KV head are folded into the length axis ([B, kvH, G * Q, D]):
-        GQA without expanding K/V."""
+    def project(
+        self, x: torch.Tensor, rope: torch.Tensor, packed: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, Q, H] or [R, H] (``packed``), rope [B, Q, 2, D] → q [B, Q, kvH * G, D] (the
+        G query heads of each KV head together), k, v [B, Q, kvH, D]: the projections, the
+        q/k norms and the rotation."""
+        cfg = self.cfg
+        B, Q = rope.shape[:2]
+        D, kvH, G = cfg.head_dim, cfg.num_kv_heads, self.group
+        qkv = unpack(self.qkv_proj(x), packed, B, Q)  # [B, Q, q + 2 kv]
+        qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        qk = qk.view(B, Q, kvH * G + kvH, D)  # q heads then k heads
+        if cfg.qk_norm:
+            q, k = qk.split([kvH * G, kvH], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        cos, sin = rope[:, :, 0:1], rope[:, :, 1:2]  # [B, Q, 1, D] each
+        q, k = apply_rope(qk, cos, sin).split([kvH * G, kvH], dim=2)  # one rotation for both
+        return q, k, v.view(B, Q, kvH, D)
+
+    @staticmethod
+    def write(k: torch.Tensor, v: torch.Tensor, write_index: torch.Tensor, kv: KVLayer) -> None:
+        """This step's K/V [B, Q, kvH, D] into the cache: as [B, kvH, Q, D], rows of the flat
+        cache [S * kvH * (L + 1), D] at ``write_index`` (``ForwardBatch``)."""
+        D = k.shape[-1]
+        kv[0].view(-1, D).index_copy_(0, write_index, k.transpose(1, 2).reshape(-1, D))
+        kv[1].view(-1, D).index_copy_(0, write_index, v.transpose(1, 2).reshape(-1, D))
+
+    def fold(self, q: torch.Tensor) -> torch.Tensor:
+        """[B, Q, kvH * G, D] → [B, kvH, G * Q, D]: the G query heads of each KV head folded
+        into the length axis (GQA without expanding K/V)."""
         B, Q = q.shape[:2]
         kvH, G, D = self.cfg.num_kv_heads, self.group, self.cfg.head_dim
-        q = q.reshape(B, Q, kvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, kvH, G * Q, D)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        return out.view(B, kvH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, self.cfg.q_size)
+        return q.reshape(B, Q, kvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, kvH, G * Q, D)
+
+    def attend(
+        self, q: torch.Tensor, kv: KVLayer, row_lo: int, kv_len: int, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """torch's attention of q [B, Q, kvH * G, D] over key columns [0, kv_len) of cache
+        rows [row_lo, row_lo + B), ``mask`` [B, 1, G * Q, kv_len] additive
+        (``ForwardBatch.sdpa_mask``) or None → [B, Q, kvH * G * D]."""
+        return self.unfold(self.sdpa(self.fold(q), kv, row_lo, kv_len, mask))
+
+    def sdpa(
+        self, q: torch.Tensor, kv: KVLayer, row_lo: int, kv_len: int, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``attend`` of q folded [B, kvH, G * Q, D] → [B, kvH, G * Q, D] (folded)."""
+        rows = slice(row_lo, row_lo + q.shape[0])
+        keys = kv[0][rows, :, :kv_len]  # [B, kvH, Kv, D] (view)
+        values = kv[1][rows, :, :kv_len]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+
+    def unfold(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, kvH, G * Q, D] → [B, Q, kvH * G * D] (``fold`` undone, heads flattened)."""
+        B, kvH, GQ, D = out.shape
+        Q = GQ // self.group
+        return out.view(B, kvH, self.group, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, -1)
+
+    def output(self, out: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+        """Attention's output [B, Q, kvH * G * D] → o_proj [B, Q, H], or [R, H] for the real
+        tokens (``packed``)."""
+        B, Q = out.shape[:2]
+        if packed is not None:
+            out = out.view(B * Q, -1).index_select(0, packed)  # [R, q]
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -263,10 +303,12 @@ class LlamaModel(nn.Module):
         batch: ForwardBatch,
         kv_layers: Sequence[KVLayer],
         aux_layers: Sequence[int] = (),
+        layer_fn: LayerFn | None = None,
     ) -> ModelOutput:
         """input_ids [B, Q] → hidden [B, Q, H]; writes the new K/V of every layer. With
         ``batch.packed`` the layers run on the real tokens only ([R, H]) and padding
-        positions of the outputs are zeros."""
+        positions of the outputs are zeros. ``layer_fn(layer, x, rope, batch, kv)`` runs
+        each layer in place of its own forward (``compiled.CompiledLayers``)."""
         if batch.packed is not None:
             x = self.embed_tokens(input_ids.view(-1).index_select(0, batch.packed))  # [R, H]
         else:
@@ -275,7 +317,9 @@ class LlamaModel(nn.Module):
         rope = table[batch.positions].to(x.dtype)  # [B, Q, 2, D] (cos, sin)
         aux = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, batch, kv_layers[i])  # type: ignore[operator]
+            assert isinstance(layer, DecoderLayer)
+            run = layer if layer_fn is None else partial(layer_fn, layer)
+            x = run(x, rope, batch, kv_layers[i])
             if i in aux_layers:
                 aux.append(x)
         return ModelOutput(
