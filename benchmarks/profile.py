@@ -145,8 +145,10 @@ class Step:
             for _ in range(2):
                 self.eager()
         torch.cuda.current_stream().wait_stream(side)
+        from tlt_serve.engine.step_graphs import collector_paused
+
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with collector_paused(), torch.cuda.graph(self.graph):
             self.out = self.eager()
 
     def replay(self) -> None:
@@ -274,8 +276,10 @@ def steps(a: argparse.Namespace) -> Path:
         per_token_kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
         wbytes = weight_bytes(model)
         rows: list[dict[str, Any]] = []
-        # the decoder layers compiled (the engine's default on a GPU), captured beside
-        compiled = CompiledLayers() if graphs and shape in a.compiled else None
+        # the decoder layers compiled, attending through the Triton kernel (the engine's
+        # default on a GPU) and through torch's attention, captured beside
+        compiled = {"compiled": CompiledLayers(attention="triton"),
+                    "compiled_sdpa": CompiledLayers()} if graphs and shape in a.compiled else {}
         todo = [(b, k) for b in a.batches for k in [0, *a.k]]
         for b, k in tqdm(todo, desc=f"steps {shape}"):
             if a.budget_s and time.monotonic() - t0 > a.budget_s:
@@ -285,8 +289,8 @@ def steps(a: argparse.Namespace) -> Path:
             with torch.inference_mode():
                 row: dict[str, Any] = {"batch": b, "k": k, "eager_ms": round(timer(step.eager), 4)}
                 arms = [("graph", step)] if graphs else []
-                if compiled:
-                    arms.append(("compiled", Step(model, kv, b, k, a.context, compiled)))
+                for arm, fn in compiled.items():
+                    arms.append((arm, Step(model, kv, b, k, a.context, fn)))
                 for arm, s in arms:
                     try:
                         s.capture()
@@ -304,10 +308,10 @@ def steps(a: argparse.Namespace) -> Path:
         plain = {r["batch"]: r for r in rows if r["k"] == 0}
         for r in rows:
             if "floor_ms" in r:
-                for mode in ("graph_ms", "compiled_ms"):
+                for mode in ("graph_ms", "compiled_ms", "compiled_sdpa_ms"):
                     if mode in r:
                         r[mode.replace("_ms", "_vs_floor")] = round(r[mode] / r["floor_ms"], 3)
-            for mode in ("eager_ms", "graph_ms", "compiled_ms"):
+            for mode in ("eager_ms", "graph_ms", "compiled_ms", "compiled_sdpa_ms"):
                 if mode in r and r["k"] and r["batch"] in plain:
                     r[mode.replace("_ms", "_vs_plain")] = round(
                         r[mode] / plain[r["batch"]][mode], 4)
@@ -321,13 +325,14 @@ def steps(a: argparse.Namespace) -> Path:
                          "rows": rows, "drafter": drafter}
         if device.type == "cuda" and a.kernels:
             listed: dict[str, Any] = {}
-            for arm, fn in (("layers", None), ("compiled", compiled)):
-                if arm == "layers" or fn is not None:
-                    try:
-                        listed[arm] = kernels(Step(model, kv, 1, 0, a.context, fn))
-                    except Exception as err:  # noqa: BLE001 - a diagnostic; the rest stands
-                        listed[arm] = {"error": str(err).splitlines()[0][:300]}
-                        print(f"  kernels ({arm}): {listed[arm]['error']}")
+            arms_fn: list[tuple[str, CompiledLayers | None]] = [("layers", None),
+                                                                *compiled.items()]
+            for arm, layer_fn in arms_fn:
+                try:
+                    listed[arm] = kernels(Step(model, kv, 1, 0, a.context, layer_fn), arm)
+                except Exception as err:  # noqa: BLE001 - a diagnostic; the rest stands
+                    listed[arm] = {"error": str(err).splitlines()[0][:300]}
+                    print(f"  kernels ({arm}): {listed[arm]['error']}")
             shapes[shape]["kernels"] = listed
         _print(shape, rows, drafter)
         del model, kv, serving, training
@@ -342,17 +347,18 @@ def steps(a: argparse.Namespace) -> Path:
 
 def _print(shape: str, rows: list[dict[str, Any]], drafter: dict[str, Any]) -> None:
     print(f"\n{shape}: {'batch':>5} {'k':>2} {'eager ms':>9} {'graph ms':>9} {'compiled':>9} "
-          f"{'x plain':>8} {'floor ms':>9}")
+          f"{'+sdpa':>9} {'x plain':>8} {'floor ms':>9}")
     nan = float("nan")
     for r in rows:
         ratio = r.get("compiled_vs_plain", r.get("graph_vs_plain", r.get("eager_vs_plain")))
         print(f"{'':>{len(shape) + 1}} {r['batch']:>5} {r['k']:>2} {r['eager_ms']:>9.3f} "
               f"{r.get('graph_ms', nan):>9.3f} {r.get('compiled_ms', nan):>9.3f} "
+              f"{r.get('compiled_sdpa_ms', nan):>9.3f} "
               f"{ratio if ratio is not None else nan:>8.3f} {r.get('floor_ms', nan):>9.3f}")
     print(f"  drafter: {drafter}")
 
 
-def kernels(step: Step, runs: int = 3) -> dict[str, Any]:
+def kernels(step: Step, arm: str, runs: int = 3) -> dict[str, Any]:
     """The CUDA kernels of one eager step (the ones its graph replays): how many, the sum of
     their times, and the ten that take longest in all, from torch's profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -374,7 +380,7 @@ def kernels(step: Step, runs: int = 3) -> dict[str, Any]:
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
     listed = [{"name": n[:90], "per_step": round(len(v) / runs, 1),
                "ms_per_step": round(sum(v) / runs, 4)} for n, v in top]
-    print(f"  kernels ({'compiled' if step.layer_fn else 'layers'}): {count:.1f} per step, "
+    print(f"  kernels ({arm}): {count:.1f} per step, "
           f"{total:.4f} ms of kernel time")
     for t in listed:
         print(f"    {t['ms_per_step']:>8.4f} ms {t['per_step']:>6} x {t['name']}")

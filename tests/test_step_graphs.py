@@ -32,17 +32,29 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("layers", ["own", "regions", "compiled"])
 def test_static_steps_change_no_real_row(target: Path, layers: str) -> None:
     """``layers``: the layers' own forward; the regions ``CompiledLayers`` runs, eagerly;
-    the same regions compiled by torch.compile (Inductor's CPU code here)."""
+    the same regions compiled by torch.compile (Inductor's CPU code here). (The regions with
+    the Triton attention: ``test_decode_attention``, under Triton's interpreter.)"""
+    compiled_before = counters["stats"]["unique_graphs"]
+    layer_fn = CompiledLayers(compile=False) if layers == "regions" else None
+    graphs = check_static_steps(target, layers == "compiled", layer_fn)
+    assert (graphs.layer_fn is None) == (layers == "own")  # no fallback happened
+    if layers == "compiled":  # dynamo made graphs of the regions (not a silent eager run)
+        assert counters["stats"]["unique_graphs"] > compiled_before
+
+
+def check_static_steps(target: Path, compile: bool = False,
+                       layer_fn: CompiledLayers | None = None) -> StepGraphs:
+    """Decode and verify steps through static shapes (padded, eagerly) against the model's
+    own forward (packed) from the same cache: the real rows' hidden states, features and
+    K/V alike, nothing else written but scratch columns. Returns the static steps."""
     model = build_model(target, torch.float32, MAX_LEN + 16)
     eager_kv = KVCache(model.cfg, 8, MAX_LEN, torch.float32)
     eager_kv.storage.normal_(generator=torch.Generator().manual_seed(0))  # others' rows
     static_kv = KVCache(model.cfg, 8, MAX_LEN, torch.float32)
     static_kv.storage.copy_(eager_kv.storage)
-    graphs = StepGraphs(model, static_kv, aux_layers=(0,), capture=False,
-                        compile=layers == "compiled")
-    if layers == "regions":
-        graphs.layer_fn = CompiledLayers(compile=False)
-    compiled_before = counters["stats"]["unique_graphs"]
+    graphs = StepGraphs(model, static_kv, aux_layers=(0,), capture=False, compile=compile)
+    if layer_fn is not None:
+        graphs.layer_fn = layer_fn
     steps = [  # (starts, tokens): decode, ragged and uniform; verify with ragged drafts
         ([40, 7, 120], [[5], [9], [11]]),
         ([50] * 5, [[3]] * 5),
@@ -69,9 +81,7 @@ def test_static_steps_change_no_real_row(target: Path, layers: str) -> None:
                                    eager_kv.storage[..., :MAX_LEN, :], atol=1e-5, rtol=0)
     assert set(graphs.steps) == {StepShape(4, 1, 128), StepShape(8, 1, 64),
                                  StepShape(8, 4, 256), StepShape(1, 3, MAX_LEN + 1)}
-    assert (graphs.layer_fn is None) == (layers == "own")  # no fallback happened
-    if layers == "compiled":  # dynamo made graphs of the regions (not a silent eager run)
-        assert counters["stats"]["unique_graphs"] > compiled_before
+    return graphs
 
 
 def test_warming_up_captures_every_size_and_writes_only_scratch(target: Path) -> None:

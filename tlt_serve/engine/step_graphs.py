@@ -14,8 +14,10 @@ graph replays fixed shapes and fixed addresses, so a step is given one here:
 - inputs are copied into the graph's own buffers before each replay, outputs copied out.
 
 With ``compile=True`` each layer of a static step runs through ``CompiledLayers`` (its small
-ops fused by torch.compile); where compiling fails (no compiler, say) the steps fall back to
-the layers' own forward, with a warning. A shape's graph is captured the first time it is
+ops fused by torch.compile) and, captured, attends through the Triton kernel
+(``kernels/decode_attention.py``: each query over its own row's length, read from ``lens``,
+no mask); where either fails (no compiler, say) the steps go without it, with a warning.
+Every batch size is captured at start (``warm``); other shapes the first time they are
 needed (all graphs share one memory pool).
 Prefill, draft trees and batches not starting at row 0 or larger than the largest size run
 eagerly. With ``capture=False`` the same padded steps run eagerly: how the CPU tests check
@@ -24,9 +26,12 @@ that the padding changes no real row's output.
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Any
 
 import torch
@@ -69,6 +74,7 @@ class StaticStep:
         self.positions = torch.zeros(Bp, Q, dtype=torch.long, device=device)  # [Bp, Q]
         self.write_index = self.pad_index.clone()  # [Bp, kvH * Q]
         self.mask = self.pad_mask.expand(Bp, Q, K).clone().unsqueeze(1)  # [Bp, 1, Q, K]
+        self.lens = torch.ones(Bp, Q, dtype=torch.long, device=device)  # [Bp, Q] keys seen
         self.graph: Any = None
         self.out: ModelOutput | None = None
         if capture:
@@ -80,7 +86,7 @@ class StaticStep:
         # a new batch each time: what it derives once per forward (the attention mask as
         # torch's attention takes it) is derived again from the buffers, or captured
         batch = ForwardBatch(0, self.positions, self.write_index.view(-1), self.mask,
-                             self.shape.keys)
+                             self.shape.keys, self.lens)
         out: ModelOutput = self.model(self.ids, batch, self.kv.layers, self.aux_layers,
                                       self.layer_fn)
         return out
@@ -94,7 +100,7 @@ class StaticStep:
             self._forward()
         torch.cuda.current_stream(self.ids.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with collector_paused(), torch.cuda.graph(self.graph, pool=pool):
             self.out = self._forward()
 
     def run(self, real: ForwardBatch, ids: torch.Tensor) -> ModelOutput:
@@ -114,6 +120,11 @@ class StaticStep:
             self.mask[:B, :, :, :kv_len].copy_(real.mask, non_blocking=True)
         self.mask[:B, :, :, kv_len:K] = False
         self.mask[B:] = self.pad_mask
+        if real.kv_lens is not None:  # causal rows: what the mask shows, as lengths
+            self.lens[:B].copy_(real.kv_lens, non_blocking=True)
+        else:
+            self.lens[:B] = self.mask[:B, 0].sum(-1)
+        self.lens[B:] = 1
         if self.graph is not None:
             self.graph.replay()
             out = self.out
@@ -124,6 +135,20 @@ class StaticStep:
         return ModelOutput(out.hidden[:B].clone(), tuple(a[:B].clone() for a in out.aux))
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector off for a capture: an object it frees then (an engine of
+    the past and its graphs) frees CUDA memory or destroys a graph, which a stream that is
+    capturing refuses, and the capture fails."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class StepGraphs:
     """The runner's static steps by shape; ``run`` answers None for a step it does not take."""
 
@@ -132,7 +157,10 @@ class StepGraphs:
                  compile: bool = False) -> None:
         self.model, self.kv, self.aux_layers = model, kv, tuple(aux_layers)
         self.capture = capture
-        self.layer_fn: CompiledLayers | None = CompiledLayers() if compile else None
+        # captured steps (a GPU's) attend through the Triton kernel, where Triton is there
+        attention = "triton" if capture and find_spec("triton") is not None else "sdpa"
+        self.layer_fn: CompiledLayers | None = (
+            CompiledLayers(attention=attention) if compile else None)
         self.sizes = [b for b in BATCH_SIZES if b <= min(max_batch, kv.rows)]
         self.steps: dict[StepShape, StaticStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -159,19 +187,22 @@ class StepGraphs:
         try:
             return StaticStep(shape, self.model, self.kv, self.aux_layers, self.capture,
                               self.pool, self.layer_fn)
-        except Exception as err:  # noqa: BLE001 - compiling is an optimisation
+        except Exception as err:  # noqa: BLE001 - the kernel and compiling are optimisations
             if self.layer_fn is None:
                 raise
-            # the warm-up failed before capture began: nothing was written but the K/V the
-            # step writes again
-            log.warning("compiled decoder layers failed (%s: %s); static steps run the "
-                        "layers' own forward", type(err).__name__, str(err).splitlines()[0])
-            self.layer_fn = None
+            # What failed is dropped, the Triton attention first, then the compiled layers;
+            # a failed warm-up wrote only the K/V its step writes again.
+            fn, what = self.layer_fn, "the Triton attention"
+            if fn.attention == "triton":
+                fn.attention = "sdpa"
+            else:
+                self.layer_fn, what = None, "compiled decoder layers"
+            log.warning("%s failed (%s: %s); static steps go without", what,
+                        type(err).__name__, str(err).splitlines()[0])
             self.steps.clear()
             if self.pool is not None:
                 self.pool = torch.cuda.graph_pool_handle()
-            return StaticStep(shape, self.model, self.kv, self.aux_layers, self.capture,
-                              self.pool)
+            return self._new_step(shape)
 
     def warm(self, queries: Sequence[int]) -> None:
         """Capture (and compile) the steps of every batch size for each query length in

@@ -49,8 +49,11 @@ class CompiledLayers:
     """A layer hook for ``LlamaModel.forward``: each layer of a static step through the two
     compiled regions (or, ``compile=False``, the same regions eagerly)."""
 
-    def __init__(self, compile: bool = True) -> None:
+    def __init__(self, compile: bool = True, attention: str = "sdpa") -> None:
+        """``attention``: ``sdpa`` (torch's) or ``triton`` (``kernels.decode_attention``, for
+        batches that name each query's keys, ``kv_lens``, at head sizes it takes)."""
         self.compiled = compile
+        self.attention = attention
         wrap: Callable[[Any], Any] = _compiled if compile else (lambda f: f)
         self.layer_in = wrap(layer_in)
         self.layer_out = wrap(layer_out)
@@ -64,9 +67,21 @@ class CompiledLayers:
         attn = layer.self_attn
         q, k, v = self.layer_in(layer, x, rope)  # [B, kvH, G * Q, D], [B, kvH, Q, D] x 2
         attn.write(k.transpose(1, 2), v.transpose(1, 2), batch.write_index, kv)
-        mask = batch.sdpa_mask(attn.group, x.dtype)  # made once per batch, shared by layers
-        out = attn.sdpa(q, kv, batch.row_lo, batch.kv_len, mask)  # [B, kvH, G * Q, D]
+        out = self._attend(layer, q, kv, batch)  # [B, kvH, G * Q, D]
         return self.layer_out(layer, x, out)  # type: ignore[no-any-return]
+
+    def _attend(self, layer: DecoderLayer, q: torch.Tensor, kv: KVLayer,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q folded [B, kvH, G * Q, D] over the cache → [B, kvH, G * Q, D]."""
+        attn = layer.self_attn
+        if self.attention == "triton" and batch.kv_lens is not None:
+            from tlt_serve.kernels import decode_attention as kernel  # imports Triton
+
+            if kernel.fits(q.shape[-1], q.shape[2]):
+                return kernel.decode_attention(q, kv[0], kv[1], batch.row_lo, batch.kv_lens,
+                                               batch.kv_len, attn.scale)
+        mask = batch.sdpa_mask(attn.group, q.dtype)  # made once per batch, for all layers
+        return attn.sdpa(q, kv, batch.row_lo, batch.kv_len, mask)
 
 
 # Graphs a region may hold: one per step shape until dynamo makes the batch and query axes
