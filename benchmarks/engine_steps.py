@@ -1,7 +1,8 @@
 """What a decode step of the whole native engine costs on a device (scheduling, inputs,
 sampling, outputs included): its steps replayed from CUDA graphs (the decoder layers compiled)
 against run eagerly (``eager``: ``--enforce-eager``) and against captured from the layers as
-written (``uncompiled``: ``--no-compile``), side by side: a random-weight checkpoint at a real
+written (``uncompiled``: ``--no-compile``) and attending through the own Triton kernel
+(``triton``: ``--attention-backend triton``), side by side: a random-weight checkpoint at a real
 shape is written once, the engines load it, and each batch size is timed on each in
 alternating rounds. ``--arms`` adds engines that capture drafter training samples as they
 serve: ``capture`` keeps the features on the device, ``capture-host`` copies them to the host
@@ -85,22 +86,26 @@ def random_checkpoint(cfg: ArchConfig, out: Path, device: torch.device, seed: in
     return out
 
 
-# arm: (steps run eagerly, layers compiled, samples captured, captured features kept on the
-# device)
-ARMS = {"graphs": (False, True, False, True), "eager": (True, False, False, True),
-        "uncompiled": (False, False, False, True), "capture": (False, True, True, True),
-        "capture-host": (False, True, True, False)}
+# arm: the engine's model settings (besides the defaults: CUDA graphs, layers compiled,
+# torch's attention) and whether it captures samples, keeping their features on the device
+ARMS: dict[str, tuple[dict[str, Any], bool, bool]] = {
+    "graphs": ({}, False, True),
+    "eager": ({"enforce_eager": True}, False, True),
+    "uncompiled": ({"compile": False}, False, True),
+    "triton": ({"attention_backend": "triton"}, False, True),
+    "capture": ({}, True, True),
+    "capture-host": ({}, True, False),
+}
 
 
 def _engine(path: Path, a: argparse.Namespace, arm: str) -> Any:
     from tlt_serve import LLM
     from tlt_serve.config import CacheConfig, CaptureConfig, EngineConfig, ModelConfig
 
-    eager, compiled, capture, on_device = ARMS[arm]
+    model, capture, on_device = ARMS[arm]
     return LLM(config=EngineConfig(
         model=ModelConfig(model=str(path), dtype="bfloat16", device=a.device,
-                          max_model_len=a.context + a.tokens + 8, enforce_eager=eager,
-                          compile=compiled),
+                          max_model_len=a.context + a.tokens + 8, **model),
         # the same prompts are sent again and again: no cached prefixes, every run prefills
         cache=CacheConfig(max_num_seqs=max(a.batches), prefix_cache=False),
         capture=CaptureConfig(enabled=capture, on_device=on_device)))

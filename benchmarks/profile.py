@@ -4,7 +4,8 @@ rows: random-weight Llama / Qwen models at real shapes, bf16, the engine's own m
   steps   a plain decode step and a verify step (1 + k rows per sequence) by batch size, the
           drafter's forward, one drafter training micro-step; eager, and replayed from CUDA
           graphs on a GPU, captured from the layers as written and with them compiled (the
-          engine's default), and the kernels of a plain step
+          engine's default; attending through torch's attention or the own Triton kernel),
+          and the kernels of a plain step
   beside  the engine's step time while the drafter trainer trains on the same device (a
           process of its own) against idle, and how fast the trainer yields
 
@@ -276,10 +277,11 @@ def steps(a: argparse.Namespace) -> Path:
         per_token_kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
         wbytes = weight_bytes(model)
         rows: list[dict[str, Any]] = []
-        # the decoder layers compiled, attending through the Triton kernel (the engine's
-        # default on a GPU) and through torch's attention, captured beside
-        compiled = {"compiled": CompiledLayers(attention="triton"),
-                    "compiled_sdpa": CompiledLayers()} if graphs and shape in a.compiled else {}
+        # the decoder layers compiled (the engine's default on a GPU), attending through
+        # torch's attention and through the own Triton kernel, captured beside
+        compiled = {"compiled": CompiledLayers(),
+                    "compiled_triton": CompiledLayers(attention="triton")
+                    } if graphs and shape in a.compiled else {}
         todo = [(b, k) for b in a.batches for k in [0, *a.k]]
         for b, k in tqdm(todo, desc=f"steps {shape}"):
             if a.budget_s and time.monotonic() - t0 > a.budget_s:
@@ -308,10 +310,10 @@ def steps(a: argparse.Namespace) -> Path:
         plain = {r["batch"]: r for r in rows if r["k"] == 0}
         for r in rows:
             if "floor_ms" in r:
-                for mode in ("graph_ms", "compiled_ms", "compiled_sdpa_ms"):
+                for mode in ("graph_ms", "compiled_ms", "compiled_triton_ms"):
                     if mode in r:
                         r[mode.replace("_ms", "_vs_floor")] = round(r[mode] / r["floor_ms"], 3)
-            for mode in ("eager_ms", "graph_ms", "compiled_ms", "compiled_sdpa_ms"):
+            for mode in ("eager_ms", "graph_ms", "compiled_ms", "compiled_triton_ms"):
                 if mode in r and r["k"] and r["batch"] in plain:
                     r[mode.replace("_ms", "_vs_plain")] = round(
                         r[mode] / plain[r["batch"]][mode], 4)
@@ -347,13 +349,13 @@ def steps(a: argparse.Namespace) -> Path:
 
 def _print(shape: str, rows: list[dict[str, Any]], drafter: dict[str, Any]) -> None:
     print(f"\n{shape}: {'batch':>5} {'k':>2} {'eager ms':>9} {'graph ms':>9} {'compiled':>9} "
-          f"{'+sdpa':>9} {'x plain':>8} {'floor ms':>9}")
+          f"{'+triton':>9} {'x plain':>8} {'floor ms':>9}")
     nan = float("nan")
     for r in rows:
         ratio = r.get("compiled_vs_plain", r.get("graph_vs_plain", r.get("eager_vs_plain")))
         print(f"{'':>{len(shape) + 1}} {r['batch']:>5} {r['k']:>2} {r['eager_ms']:>9.3f} "
               f"{r.get('graph_ms', nan):>9.3f} {r.get('compiled_ms', nan):>9.3f} "
-              f"{r.get('compiled_sdpa_ms', nan):>9.3f} "
+              f"{r.get('compiled_triton_ms', nan):>9.3f} "
               f"{ratio if ratio is not None else nan:>8.3f} {r.get('floor_ms', nan):>9.3f}")
     print(f"  drafter: {drafter}")
 

@@ -22,14 +22,15 @@
 #      (tests/test_devices.py);
 #   3. the step cost profile (python -m benchmarks.profile steps): random-weight models at
 #      the shapes of Qwen3-1.7B, Llama-3.1-8B and Qwen2.5-0.5B in bf16, plain and verify
-#      steps by batch size, eager and from CUDA graphs (the layers as written and compiled),
-#      the kernels of a plain step, the drafter's forward and a training micro-step ->
+#      steps by batch size, eager and from CUDA graphs (the layers as written and compiled,
+#      with torch's attention and the own Triton kernel), the kernels of a plain step, the drafter's forward and a training micro-step ->
 #      profile_steps.json / .png;
 #   4. the trainer beside the engine (python -m benchmarks.profile beside): the engine's
 #      step time while the drafter trains on the same GPU vs idle, and the trainer's yield
 #      -> profile_beside.json / .png;
 #   5. the whole native engine's decode step by batch size, from CUDA graphs (layers compiled)
-#      against graphs of the layers as written and against eager, and capturing drafter samples with features kept on the GPU against copied to the
+#      against graphs of the layers as written, with the Triton attention, and eager, and
+#      capturing drafter samples with features kept on the GPU against copied to the
 #      host each step (python -m benchmarks.engine_steps run) -> engine_steps.json / .png;
 #   6. with --vllm: scripts/install.sh --vllm, then tests/test_vllm_compat.py and
 #      tests/test_vllm_backend.py (the real default model, downloaded by pip).
@@ -94,7 +95,7 @@ if [ "$DEVICE" = cuda ]; then
   part beside 70 "$PY" -m benchmarks.profile beside --device cuda --shape 1.7b --batch 16 \
     --out "$DEST/profile_beside.json"
   part engine 200 "$PY" -m benchmarks.engine_steps run --device cuda --shape 1.7b \
-    --arms graphs,uncompiled,eager,capture,capture-host --batches 1,16,64 --rounds 2 \
+    --arms graphs,uncompiled,triton,eager,capture,capture-host --batches 1,16,64 --rounds 2 \
     --out "$DEST/engine_steps.json"
 else
   part tests 600 env TLT_TEST_DEVICE=cpu "$PY" -m pytest -q --noconftest -p no:cacheprovider \

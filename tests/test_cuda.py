@@ -41,10 +41,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def llm(models: dict[str, Path], device: str, spec: SpecConfig | None = None,
-        eager: bool = False, compile: bool = True) -> LLM:
+        eager: bool = False, compile: bool = True, attention: str = "sdpa") -> LLM:
     return LLM(config=EngineConfig(
         model=ModelConfig(model=str(models["target"]), dtype="float32", max_model_len=256,
-                          device=device, enforce_eager=eager, compile=compile),
+                          device=device, enforce_eager=eager, compile=compile,
+                          attention_backend=attention),
         cache=CacheConfig(max_num_seqs=8),
         spec=spec or SpecConfig(),
     ))
@@ -90,15 +91,17 @@ def test_speculation_on_cuda_equals_plain_decoding(models, name, sampling) -> No
     assert spec.engine.kv.storage.device.type == DEVICE
 
 
-@pytest.mark.parametrize("name", ["plain", "drafter", "uncompiled"])
+@pytest.mark.parametrize("name", ["plain", "drafter", "uncompiled", "triton"])
 def test_cuda_graphs_decode_what_eager_steps_decode(models, name) -> None:
     """Decode and verify steps replayed from CUDA graphs (the default on a GPU: the layers
-    compiled; ``uncompiled``: as written, drafter verify steps) against the same engine with
+    compiled; ``uncompiled``: as written; ``triton``: compiled, attending through the own
+    kernel; all three with drafter verify steps) against the same engine with
     ``enforce_eager``: the same greedy tokens, logprobs to fp32 GEMM tolerance (a padded
     batch may take other GEMM kernels), graphs captured and reused."""
     spec = specs(models)["drafter"] if name != "plain" else None
     eager = llm(models, DEVICE, spec, eager=True).generate(PROMPTS, greedy())
-    graphed = llm(models, DEVICE, spec, compile=name != "uncompiled")
+    graphed = llm(models, DEVICE, spec, compile=name != "uncompiled",
+                  attention="triton" if name == "triton" else "sdpa")
     got = graphed.generate(PROMPTS, greedy())
     again = graphed.generate(PROMPTS, greedy())  # the graphs replayed, none captured anew
     for ref, out, out2 in zip(eager, got, again, strict=True):
@@ -111,6 +114,8 @@ def test_cuda_graphs_decode_what_eager_steps_decode(models, name) -> None:
         assert all(step.graph is not None for step in graphs.steps.values())
         # compiled, or as asked not: no fallback from a failed compile
         assert (graphs.layer_fn is not None) == (name != "uncompiled")
+        if name == "triton":
+            assert graphs.layer_fn is not None and graphs.layer_fn.attention == "triton"
         if name != "plain":
             assert any(shape.queries > 1 for shape in graphs.steps)
     else:

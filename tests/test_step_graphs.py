@@ -177,3 +177,17 @@ def test_enforce_eager_is_a_serve_flag() -> None:
 
     assert parse(["--enforce-eager"]).engine.model.enforce_eager
     assert not parse([]).engine.model.enforce_eager
+
+
+def test_compiling_and_the_attention_backend_are_serve_flags() -> None:
+    from tlt_serve.config import ConfigError
+    from tlt_serve.flags import parse
+
+    default = parse([]).engine.model
+    assert default.compile and default.attention_backend == "sdpa"
+    model = parse(["--no-compile", "--attention-backend", "triton"]).engine.model
+    assert not model.compile and model.attention_backend == "triton"
+    with pytest.raises(SystemExit):
+        parse(["--attention-backend", "flash"])
+    with pytest.raises(ConfigError, match="^attention_backend: 'flash'"):
+        ModelConfig(attention_backend="flash").validate()

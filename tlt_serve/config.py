@@ -13,6 +13,7 @@ from tlt_serve.devices import is_device
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("native", "vllm")  # tlt_serve/backends
+ATTENTION_BACKENDS = ("sdpa", "triton")  # the native engine's captured steps on a GPU
 
 
 class ConfigError(ValueError):
@@ -31,6 +32,9 @@ class ModelConfig:
     # On a GPU, with CUDA graphs: the decoder layers' small ops (norms, rotation, residuals,
     # gate) fused by torch.compile in the steps the graphs replay
     compile: bool = True
+    # On a GPU, the attention of those steps: torch's (sdpa) or the own Triton kernel
+    # (kernels/decode_attention.py; not yet timed on a GPU)
+    attention_backend: str = "sdpa"
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -39,6 +43,9 @@ class ModelConfig:
             raise ConfigError(f"device: {self.device!r} is not cpu, cuda or cuda:N")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend: {self.attention_backend!r} is not one of "
+                              f"{ATTENTION_BACKENDS}")
 
 
 @dataclass(frozen=True)

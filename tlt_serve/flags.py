@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from tlt_serve.backends import VLLM_INSTALL, missing
 from tlt_serve.config import (
+    ATTENTION_BACKENDS,
     BACKENDS,
     SPEC_METHODS,
     CacheConfig,
@@ -51,6 +52,10 @@ def parse(argv: list[str]) -> ServerConfig:
                        help="on a GPU, capture the native engine's CUDA graphs from the "
                        "decoder layers as written, without fusing their small ops by "
                        "torch.compile (faster start, slower small steps)")
+    serve.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                       default=ModelConfig.attention_backend,
+                       help="on a GPU, the attention of the native engine's compiled CUDA-graph "
+                       "steps: torch's (sdpa) or the own Triton kernel, split over the keys")
     serve.add_argument("--api-key", default=os.environ.get("TLT_SERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $TLT_SERVE_API_KEY, "
                        "which keeps the key out of the process list)")
@@ -147,7 +152,8 @@ def parse(argv: list[str]) -> ServerConfig:
         engine=EngineConfig(
             model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                               device=args.device or ModelConfig.device,
-                              enforce_eager=args.enforce_eager, compile=not args.no_compile),
+                              enforce_eager=args.enforce_eager, compile=not args.no_compile,
+                              attention_backend=args.attention_backend),
             cache=CacheConfig(max_num_seqs=args.max_num_seqs,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               prefix_cache=not args.no_prefix_cache),

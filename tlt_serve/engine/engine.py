@@ -62,7 +62,7 @@ class Engine:
         graphs = None
         if mc.device.startswith("cuda") and not mc.enforce_eager:
             graphs = StepGraphs(self.model, self.kv, self.spec.feature_layers,
-                                compile=mc.compile)
+                                compile=mc.compile, attention=mc.attention_backend)
             t1 = time.perf_counter()
             depth = 0 if config.spec.method == "off" else config.spec.num_draft_tokens
             graphs.warm((1, 1 + depth) if depth else (1,))

@@ -14,9 +14,10 @@ graph replays fixed shapes and fixed addresses, so a step is given one here:
 - inputs are copied into the graph's own buffers before each replay, outputs copied out.
 
 With ``compile=True`` each layer of a static step runs through ``CompiledLayers`` (its small
-ops fused by torch.compile) and, captured, attends through the Triton kernel
-(``kernels/decode_attention.py``: each query over its own row's length, read from ``lens``,
-no mask); where either fails (no compiler, say) the steps go without it, with a warning.
+ops fused by torch.compile), with ``attention="triton"`` attending through the own Triton
+kernel (``kernels/decode_attention.py``: each query over its own row's length, read from
+``lens``, no mask); where either fails (no compiler, say) the steps go without it, with a
+warning.
 Every batch size is captured at start (``warm``); other shapes the first time they are
 needed (all graphs share one memory pool).
 Prefill, draft trees and batches not starting at row 0 or larger than the largest size run
@@ -154,11 +155,12 @@ class StepGraphs:
 
     def __init__(self, model: LlamaModel, kv: KVCache, aux_layers: Sequence[int] = (),
                  capture: bool = True, max_batch: int = BATCH_SIZES[-1],
-                 compile: bool = False) -> None:
+                 compile: bool = False, attention: str = "sdpa") -> None:
         self.model, self.kv, self.aux_layers = model, kv, tuple(aux_layers)
         self.capture = capture
-        # captured steps (a GPU's) attend through the Triton kernel, where Triton is there
-        attention = "triton" if capture and find_spec("triton") is not None else "sdpa"
+        if attention == "triton" and find_spec("triton") is None:
+            log.warning("attention backend triton: Triton is not installed; torch's instead")
+            attention = "sdpa"
         self.layer_fn: CompiledLayers | None = (
             CompiledLayers(attention=attention) if compile else None)
         self.sizes = [b for b in BATCH_SIZES if b <= min(max_batch, kv.rows)]
