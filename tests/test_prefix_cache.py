@@ -1,8 +1,9 @@
 """The prefix cache: which entry a prompt reuses, where a finished sequence's KV is kept and
 what gives way (plain Python), and, on a tiny model in fp32, that outputs with it equal
 outputs without it (greedy and seeded, speculation on, n > 1, repeated prompts, multi-turn
-conversations), that KV computed under old weights is never reused, and that a drafter or
-capture (which need every prompt position's features) bypass it."""
+conversations), that KV computed under old weights is never reused, and that with a drafter
+or capture (which need every prompt position's features) it keeps those beside the KV and
+changes neither the drafts nor the captured samples."""
 
 from __future__ import annotations
 
@@ -59,6 +60,17 @@ def test_admit_reads_entries_in_admitted_rows_before_writing_them() -> None:
     cyc.keep([1, 1], row=0, version="0")
     cyc.keep([2, 2], row=1, version="0")
     assert sorted(cyc.admit([(0, [2, 2, 0]), (1, [1, 1, 0])], "0", spare=[])) == [0, 2]
+    # with row exchanges a cycle costs nothing computed: rows 0 -> 1 -> 2 -> 0 by two swaps
+    swaps = Copies()
+    rot = PrefixCache(Copies(), swap_rows=swaps)
+    for row, t in enumerate(([1, 1], [2, 2], [3, 3])):
+        rot.keep(t, row=row, version="0")
+    got = rot.admit([(0, [3, 3, 0]), (1, [1, 1, 0]), (2, [2, 2, 0])], "0", spare=[])
+    assert got == [2, 2, 2] and rot.entries == {}
+    rows = {0: "a", 1: "b", 2: "c"}  # what each row holds: the swaps applied in order
+    for a, b, _ in swaps.done:
+        rows[a], rows[b] = rows[b], rows[a]
+    assert rows == {0: "c", 1: "a", 2: "b"}  # each claim finds the entry it asked for
     pc.keep([3, 3, 3], row=0, version="0")
     pc.clear()
     assert pc.entries == {} and pc.admit([(0, [3, 3, 3, 3])], "0", spare=[]) == [0]
@@ -77,7 +89,8 @@ def test_keep_replaces_an_earlier_turn_and_skips_a_known_prefix() -> None:
     assert short.entries == {}
 
 
-def llm(path: Path, prefix: bool, spec: SpecConfig | None = None, capture: bool = False) -> LLM:
+def llm(path: Path, prefix: bool, spec: SpecConfig | None = None,
+        capture: bool = False) -> LLM:
     return LLM(config=EngineConfig(
         model=ModelConfig(model=str(path), dtype="float32", max_model_len=256),
         cache=CacheConfig(max_num_seqs=8, prefix_cache=prefix),
@@ -150,14 +163,46 @@ def test_no_kv_from_old_weights_and_no_reuse_when_features_are_needed(
         on.engine.step()
     assert on.engine.prefix.entries == {}
 
-    drafter = SpecConfig(method="drafter", drafter=str(tiny_drafter_dir),
-                         min_draft_confidence=0.0)
-    plain = llm(tiny_model_dir, False).generate(prompts, params(False))
-    for engine in (llm(tiny_model_dir, True, drafter), llm(tiny_model_dir, True, capture=True)):
-        engine.generate(prompts, params(False))
-        twice = engine.generate(prompts, params(False))
-        assert all(r.samples[0].cached_tokens == 0 for r in twice)
-        same(twice, plain)
+
+@pytest.mark.parametrize("needs", ["drafter", "capture", "both"])
+def test_a_drafter_and_capture_reuse_prefixes_with_their_features(
+    tiny_model_dir, tiny_drafter_dir, needs
+) -> None:
+    """With a drafter (which catches up from every prompt position's features) or capture
+    (which keeps them for training) the cache keeps the features beside the KV: repeated
+    prompts, n > 1 and next turns reuse their prefixes, outputs equal outputs without the
+    cache, the drafter drafts as much, and the captured samples (tokens, features) equal
+    those captured without it."""
+    spec = SpecConfig()
+    if needs != "capture":
+        spec = SpecConfig(method="drafter", drafter=str(tiny_drafter_dir),
+                          min_draft_confidence=0.0)
+    capture = needs != "drafter"
+    on, off = llm(tiny_model_dir, True, spec, capture), llm(tiny_model_dir, False, spec, capture)
+    assert on.engine.kv.features is not None and off.engine.kv.features is None
+    prompts = [on.tokenizer.encode(p) for p in PROMPTS]
+    question = on.tokenizer.encode(" And then?")
+    for seeded in (False, True):
+        first = on.generate(prompts, params(seeded))
+        same(first, off.generate(prompts, params(seeded)))
+        turn = [p + r.samples[0].token_ids + question for p, r in zip(prompts, first,
+                                                                       strict=True)]
+        second = on.generate(turn, params(seeded))
+        same(second, off.generate(turn, params(seeded)))
+        assert all(r.samples[0].cached_tokens >= len(p) + 23 for p, r in zip(prompts, second,
+                                                                            strict=True))
+        again = on.generate(prompts, params(seeded, n=2))
+        same(again, off.generate(prompts, params(seeded, n=2)))
+        assert any(s.cached_tokens > 0 for r in again for s in r.samples)
+    if needs != "capture":
+        a, b = on.engine.stats.spec, off.engine.stats.spec
+        assert a.steps > 0 and (a.drafted, a.accepted) == (b.drafted, b.accepted)
+    if capture:
+        got, want = on.engine.capture.take(0, 1 << 40), off.engine.capture.take(0, 1 << 40)
+        assert len(got) == len(want) == 8 * len(PROMPTS)  # 2 x (5 + 5 + 2 x 5)
+        for x, y in zip(got, want, strict=True):
+            assert torch.equal(x.tokens, y.tokens)
+            torch.testing.assert_close(x.features, y.features, atol=1e-5, rtol=0)
 
 
 def test_both_dialects_report_cached_tokens_and_flush_empties_the_cache(tiny_model_dir) -> None:

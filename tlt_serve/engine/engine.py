@@ -70,7 +70,11 @@ class Engine:
                      " (layers compiled)" if graphs.layer_fn else "", time.perf_counter() - t1)
         self.runner = ModelRunner(self.model, self.kv, mc.device, self.spec.feature_layers,
                                   graphs)
-        self.prefix = PrefixCache(self.kv.copy_row) if config.cache.prefix_cache else None
+        self.prefix = (PrefixCache(self.kv.copy_row, swap_rows=self.kv.swap_rows)
+                       if config.cache.prefix_cache else None)
+        if self.prefix is not None and (self.spec.needs_features or self.capture.enabled):
+            cfg = self.model.cfg  # a feature: the chosen layers' residuals, or the last norm
+            self.kv.keep_features(cfg.hidden_size * max(1, len(self.spec.feature_layers)))
         self.scheduler = Scheduler(
             num_rows=rows,
             max_len=mc.max_model_len,
@@ -166,14 +170,16 @@ class Engine:
 
     # ---- the prefix cache ------------------------------------------------------------------
     def _reuse_prefixes(self, batch: ScheduledBatch) -> None:
-        """A prefill's requests start from the longest cached prefix of their prompts. Not
-        while a drafter or capture needs every prompt position's features (the cache keeps
-        KV only)."""
+        """A prefill's requests start from the longest cached prefix of their prompts. While
+        a drafter or capture needs every prompt position's features, only where the cache
+        keeps them beside the KV (``KVCache.keep_features``: set at start for a drafter or
+        capture configured then)."""
         for r in batch.samplers:
             r.kv_version = self.weight_version
         if self.prefix is None:
             return
-        use = not (self.spec.needs_features or self.capture.enabled)
+        needs = self.spec.needs_features or self.capture.enabled
+        use = not needs or self.kv.features is not None
         leads = {id(r) for r in batch.forward} if use else set()
         spare = range(max(r.row for r in batch.samplers) + 1, self.kv.rows)
         claims = [(r.row, r.prompt_ids if id(r) in leads else None) for r in batch.samplers]
@@ -219,7 +225,8 @@ class Engine:
                 plan, batch.forward, self.runner, self.sampler.generator
             )
         if self.spec.needs_features or self.capture.enabled:
-            committed = committed_features(batch, run, emitted, self.spec.feature_layers)
+            committed = committed_features(batch, run, emitted, self.spec.feature_layers,
+                                           self.kv.features)
             self.spec.observe(committed)
             self.capture.observe(committed, self.weight_version)
         outputs = self.scheduler.postprocess(batch, emitted, self.weight_version)

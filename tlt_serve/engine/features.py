@@ -17,21 +17,37 @@ Committed = list[tuple[Request, torch.Tensor]]  # (request, features [m, F]) per
 
 
 def committed_features(
-    batch: ScheduledBatch, run: RunOutput, emitted: Sampled | Emitted, layers: tuple[int, ...]
+    batch: ScheduledBatch, run: RunOutput, emitted: Sampled | Emitted, layers: tuple[int, ...],
+    store: torch.Tensor | None = None,
 ) -> Committed:
     """Each sampler's features of the positions this step fed through the target and kept:
     the prompt (prefill), the last token (plain decode), the last token plus the accepted
-    drafts (chain verify) or the accepted tree path. Copies, safe to keep."""
+    drafts (chain verify) or the accepted tree path. Copies, safe to keep.
+
+    With ``store`` (``KVCache.features`` [rows, max_len, F]) they are written at their
+    positions in each sampler's row, and a prompt whose prefix came from the prefix cache
+    (computed from ``cached_tokens`` on) gets that prefix's features from there."""
     feats = torch.cat(run.aux, dim=-1) if layers else run.hidden  # [F, Q, F']
     out: Committed = []
     for i, req in enumerate(batch.samplers):
         if batch.is_prefill:
             m = len(req.prompt_ids)
-            f = feats[batch.logit_index[i], :m]  # [m, F] siblings read their leader's row
-        elif isinstance(emitted, Emitted) and emitted.path is not None:  # tree: the path
-            f = feats[i, emitted.path[i]]  # [m, F] (advanced indexing copies)
+            lead = batch.logit_index[i]  # siblings read their leader's row
+            c = batch.forward[lead].cached_tokens  # columns [c, m) computed now
+            f = feats[lead, : m - c]  # [m - c, F]
+            if store is not None:
+                store[req.row, c:m] = f
+                f = store[req.row, :m]  # [m, F]
+            else:
+                assert c == 0, "a cached prefix's features are kept in the store only"
         else:
-            m = len(emitted.token_ids[i]) if isinstance(emitted, Emitted) else 1
-            f = feats[i, :m]  # [m, F]
+            if isinstance(emitted, Emitted) and emitted.path is not None:  # tree: the path
+                f = feats[i, emitted.path[i]]  # [m, F] (advanced indexing copies)
+            else:
+                m = len(emitted.token_ids[i]) if isinstance(emitted, Emitted) else 1
+                f = feats[i, :m]  # [m, F]
+            if store is not None:  # from the last token's position on
+                p = req.num_tokens - 1
+                store[req.row, p : p + f.shape[0]] = f
         out.append((req, f.clone()))
     return out

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 RowCopy = Callable[[int, int, int], None]  # (src_row, dst_row, columns)
+RowSwap = Callable[[int, int, int], None]  # (row_a, row_b, columns): exchanged
 
 
 @dataclass
@@ -42,8 +43,10 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, copy_row: RowCopy, min_tokens: int = 1) -> None:
+    def __init__(self, copy_row: RowCopy, min_tokens: int = 1,
+                 swap_rows: RowSwap | None = None) -> None:
         self.copy_row = copy_row  # KV columns of one row into another (all layers)
+        self.swap_rows = swap_rows  # exchanges two rows' columns: resolves copy cycles
         self.min_tokens = min_tokens  # shorter shared prefixes are computed again
         self.entries: dict[int, Entry] = {}  # by row
         self.hits = self.hit_tokens = self.lookups = 0
@@ -62,7 +65,9 @@ class PrefixCache:
         prompt's KV its row holds now: the longest entry prefix, at most ``len(prompt) -
         1``, found there or copied in. Entries in admitted rows move to ``spare`` rows
         (free, not admitted) while there are some, else are dropped once read; every copy
-        out of a row runs before the copy into it (a cycle: one of them computes instead)."""
+        out of a row runs before the copy into it. Copies in a cycle (admitted rows holding
+        each other's entries) are resolved by exchanging rows (``swap_rows``; without it the
+        first of the cycle computes its prompt instead)."""
         rows = {row for row, _ in claims}
         best: list[tuple[Entry | None, int]] = [
             (None, 0) if p is None else self._longest(p, version) for _, p in claims]
@@ -83,8 +88,13 @@ class PrefixCache:
         while pending:
             sources = [src for _, src, _ in pending]
             ready = [c for c in pending if sources.count(c[2]) == 0]
-            if not ready:  # a cycle: the first of it computes its prompt in full
+            if not ready and self.swap_rows is None:  # a cycle: the first computes instead
                 got[pending.pop(0)[0]] = 0
+            elif not ready:  # a cycle: exchange the first's rows, then read from where
+                i, src, dst = pending.pop(0)  # what each held went
+                self.swap_rows(src, dst, max(got))
+                moved = {src: dst, dst: src}
+                pending = [(j, moved.get(s, s), d) for j, s, d in pending]
             for i, src, dst in ready:
                 self.copy_row(src, dst, got[i])
                 pending.remove((i, src, dst))
