@@ -7,7 +7,9 @@ configurations side by side, all through the OpenAI routes (so vLLM's own server
            (``/v1/completions`` with token ids), as slime sends a GRPO group.
 
 Configurations (``--configs``): ``native`` (the native engine, prefix cache on, its
-default), ``native-nocache`` (``--no-prefix-cache``), ``vllm`` / ``vllm-nocache`` (the same
+default), ``native-nocache`` (``--no-prefix-cache``), ``native-capture`` /
+``native-capture-nocache`` (the same capturing drafter training samples, ``--capture``: the
+cache keeps every position's features beside the KV), ``vllm`` / ``vllm-nocache`` (the same
 server on ``--backend vllm``) and ``vllm-cpu`` (vLLM's own OpenAI server, its defaults,
 ``--vllm-python`` its interpreter). Each round starts every server in turn, runs both shapes
 on it and stops it; the figures are medians over ``--rounds``. Requests carry no seed:
@@ -38,6 +40,8 @@ from benchmarks.common.results import grouped_bars, names, pyplot, report, save,
 from benchmarks.common.servers import VLLM_SERVED_NAME, running_server, running_vllm
 
 CONFIGS = {"native": [], "native-nocache": ["--no-prefix-cache"],
+           "native-capture": ["--capture"],
+           "native-capture-nocache": ["--capture", "--no-prefix-cache"],
            "vllm": ["--backend", "vllm"], "vllm-nocache": ["--backend", "vllm",
                                                             "--no-prefix-cache"]}
 SHAPES = ("agentic", "slime")
