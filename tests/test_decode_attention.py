@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -68,8 +69,9 @@ def interpreted(*args: str) -> str:
     interpreter."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-m", "tests.test_decode_attention", *args],
-                         env=env, capture_output=True, text=True, timeout=600)
+                         env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout.strip().splitlines()[-1]
 
@@ -91,7 +93,6 @@ def test_static_steps_attending_through_the_kernel_change_no_real_row() -> None:
 
 def static_steps() -> str:
     import tempfile
-    from pathlib import Path
 
     import tlt_serve.kernels.decode_attention as kernel
     from tests.test_step_graphs import check_static_steps
