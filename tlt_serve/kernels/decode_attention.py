@@ -44,7 +44,7 @@ def _partial(q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, m_ptr, l_ptr,
     if WIDEN:
         q = q.to(tl.float32)
     n = tl.load(lens_ptr + b * slb + rows % QN, mask=real, other=1)  # keys each row sees
-    n = tl.maximum(n, 1)  # a padding query (0 keys) sees column 0: no empty softmax
+    n = tl.maximum(n.to(tl.int32), 1)  # a padding query (0 keys) sees column 0
     lo = s * CHUNK
     hi = tl.minimum(lo + CHUNK, tl.max(n, 0))  # nothing past the longest row is read
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
