@@ -8,7 +8,8 @@ kernel of a few microseconds. ``CompiledLayers`` runs each layer as two compiled
 around the attention (``layer_in``: the input norm, the q/k/v product, the q/k norms, the
 rotation, the layouts attention takes; ``layer_out``: the output product, the residual, the
 norm, the MLP), where Inductor fuses the small ops into a few kernels; the cache write and
-torch's attention run between them as they do eagerly.
+the attention (torch's, or with ``attention="triton"`` the own kernel of
+``kernels/decode_attention.py``) run between them.
 
 The regions take the layer module as an argument, so every layer of a model (same shapes)
 shares one compiled graph per step shape. Only unpacked, causal batches from row 0 (the
