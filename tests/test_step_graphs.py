@@ -116,6 +116,28 @@ def test_a_failing_compile_falls_back_to_the_layers(target: Path,
     torch.testing.assert_close(got.hidden, model(ids, fb, kv.layers).hidden, atol=1e-5, rtol=0)
 
 
+def test_a_failing_triton_attention_falls_back_to_torchs_keeping_the_regions(
+        target: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Triton's kernels cannot launch on a CPU tensor (no interpreter here): the first step
+    drops the Triton attention only, and the regions attend through torch's."""
+    pytest.importorskip("triton")
+    model = build_model(target, torch.float32, MAX_LEN + 16)
+    kv = KVCache(model.cfg, 8, MAX_LEN, torch.float32)
+    graphs = StepGraphs(model, kv, capture=False)
+    regions = graphs.layer_fn = CompiledLayers(compile=False, attention="triton")
+    starts, tokens = [40, 7], [[5, 6], [9]]
+    real, ids = extend_batch(kv, 0, starts, tokens)
+    shape = graphs.shape_of(0, 2, 2, real.kv_len)
+    assert shape is not None
+    got = graphs.run(shape, real, ids)
+    assert graphs.layer_fn is regions and regions.attention == "sdpa"
+    assert "the Triton attention failed" in caplog.text
+    fb, ids = extend_batch(kv, 0, starts, tokens)
+    want = model(ids, fb, kv.layers).hidden
+    for b, t in enumerate(tokens):
+        torch.testing.assert_close(got.hidden[b, :len(t)], want[b, :len(t)], atol=1e-5, rtol=0)
+
+
 def test_the_static_shape_of_a_step() -> None:
     from tlt_serve.models.arch import ArchConfig, RopeConfig
 

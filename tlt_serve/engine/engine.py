@@ -170,17 +170,15 @@ class Engine:
 
     # ---- the prefix cache ------------------------------------------------------------------
     def _reuse_prefixes(self, batch: ScheduledBatch) -> None:
-        """A prefill's requests start from the longest cached prefix of their prompts. While
-        a drafter or capture needs every prompt position's features, only where the cache
-        keeps them beside the KV (``KVCache.keep_features``: set at start for a drafter or
-        capture configured then)."""
+        """A prefill's requests start from the longest cached prefix of their prompts. A
+        drafter or capture, which need every prompt position's features, find the prefix's
+        kept beside its KV (``KVCache.keep_features``: both are configured at start, and so
+        is the store)."""
         for r in batch.samplers:
             r.kv_version = self.weight_version
         if self.prefix is None:
             return
-        needs = self.spec.needs_features or self.capture.enabled
-        use = not needs or self.kv.features is not None
-        leads = {id(r) for r in batch.forward} if use else set()
+        leads = {id(r) for r in batch.forward}
         spare = range(max(r.row for r in batch.samplers) + 1, self.kv.rows)
         claims = [(r.row, r.prompt_ids if id(r) in leads else None) for r in batch.samplers]
         got = self.prefix.admit(claims, self.weight_version, spare)

@@ -88,14 +88,14 @@ class PrefixCache:
         while pending:
             sources = [src for _, src, _ in pending]
             ready = [c for c in pending if sources.count(c[2]) == 0]
-            swap = self.swap_rows
-            if not ready and swap is None:  # a cycle: the first computes instead
-                got[pending.pop(0)[0]] = 0
-            elif not ready and swap is not None:  # a cycle: exchange the first's rows, then
-                i, src, dst = pending.pop(0)  # read from where what each held went
-                swap(src, dst, max(got))
-                moved = {src: dst, dst: src}
-                pending = [(j, moved.get(s, s), d) for j, s, d in pending]
+            if not ready:  # a cycle: its first exchanges rows (or, without, computes)
+                i, src, dst = pending.pop(0)
+                if self.swap_rows is None:
+                    got[i] = 0
+                else:  # the others read from where what each row held went
+                    self.swap_rows(src, dst, max(got))
+                    moved = {src: dst, dst: src}
+                    pending = [(j, moved.get(s, s), d) for j, s, d in pending]
             for i, src, dst in ready:
                 self.copy_row(src, dst, got[i])
                 pending.remove((i, src, dst))

@@ -121,10 +121,8 @@ class StaticStep:
             self.mask[:B, :, :, :kv_len].copy_(real.mask, non_blocking=True)
         self.mask[:B, :, :, kv_len:K] = False
         self.mask[B:] = self.pad_mask
-        if real.kv_lens is not None:  # causal rows: what the mask shows, as lengths
-            self.lens[:B].copy_(real.kv_lens, non_blocking=True)
-        else:
-            self.lens[:B] = self.mask[:B, 0].sum(-1)
+        assert real.kv_lens is not None  # a causal batch's lengths (no draft trees come here)
+        self.lens[:B].copy_(real.kv_lens, non_blocking=True)  # what the mask shows, as lengths
         self.lens[B:] = 1
         if self.graph is not None:
             self.graph.replay()

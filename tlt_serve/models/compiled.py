@@ -53,7 +53,6 @@ class CompiledLayers:
     def __init__(self, compile: bool = True, attention: str = "sdpa") -> None:
         """``attention``: ``sdpa`` (torch's) or ``triton`` (``kernels.decode_attention``, for
         batches that name each query's keys, ``kv_lens``, at head sizes it takes)."""
-        self.compiled = compile
         self.attention = attention
         wrap: Callable[[Any], Any] = _compiled if compile else (lambda f: f)
         self.layer_in = wrap(layer_in)
@@ -63,7 +62,7 @@ class CompiledLayers:
         self, layer: DecoderLayer, x: torch.Tensor, rope: torch.Tensor, batch: ForwardBatch,
         kv: KVLayer,
     ) -> torch.Tensor:
-        if not takes(batch, x):
+        if batch.packed is not None or batch.tree_bits is not None:  # not a static step
             return layer(x, rope, batch, kv)  # type: ignore[no-any-return]
         attn = layer.self_attn
         q, k, v = self.layer_in(layer, x, rope)  # [B, kvH, G * Q, D], [B, kvH, Q, D] x 2
@@ -95,8 +94,3 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     return config.patch({name: RECOMPILE_LIMIT})(torch.compile(fn))  # type: ignore[no-any-return]
-
-
-def takes(batch: ForwardBatch, x: torch.Tensor) -> bool:
-    """Whether a batch is one the regions take: unpacked ([B, Q, H]), causal (no draft tree)."""
-    return batch.packed is None and batch.tree_bits is None and x.dim() == 3
