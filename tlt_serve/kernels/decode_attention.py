@@ -1,9 +1,9 @@
 """Attention of decode and chain-verify steps on a GPU, in Triton: a few query tokens per
 row over that row's cached keys, the keys split across programs (flash-decoding).
 
-torch's attention tiles the queries; a decode step has one per head, so at batch 1 it runs
-one program per head, each reading all the row's keys in turn (on an H200, 18 us a layer at
-1024 keys for the 1.7B shape, a fifth of the step). Here every (row, KV head) has
+torch's attention (cuDNN's flash kernel on an H200) took 18 us a layer at batch 1 and 1024
+keys for the 1.7B shape, a fifth of the step: flash kernels tile the queries, and a decode
+step has one query per head. Here every (row, KV head) has
 ``splits`` programs, each over a slice of the keys with all the G * Q queries of that KV
 head (the G query heads sharing it, folded as in ``Attention.fold``), keeping a running
 maximum, sum and weighted values; a second kernel combines the slices. Query j of row b sees
