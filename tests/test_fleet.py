@@ -122,15 +122,20 @@ def test_a_replica_killed_mid_rollout_loses_no_sample_and_rejoins_current(
         # The fleet moves on from its start: new weights, a newly published drafter.
         assert f.update_weights_from_disk(str(tiny_model_factory(seed=2)), "w2") == "w2"
         assert f.update_drafter_from_disk(str(drafter), version=7) == 7
-        victim, survivor = f.replicas()
-        pid = _pid_on(proc.pid, victim)
+        replicas = f.replicas()
         prompts = [[5, 9, 23, i + 1] for i in range(64)]
         with ThreadPoolExecutor(1) as pool:
             # Long enough (64 x 192 tokens) that a loaded machine cannot finish it before the
-            # poll below sees the victim running.
+            # poll below sees a replica running. The router may send a shared-prefix batch to
+            # either replica (or all of it to one), so the victim is whichever is seen running.
             rollout = pool.submit(f.generate, prompts, n=1, max_new_tokens=192, ignore_eos=True)
-            wait_for(lambda: _running(victim) > 0 or rollout.done(), timeout=30, interval=0.01)
+            victim = wait_for(lambda: _busy(replicas) or rollout.done(), timeout=30,
+                              interval=0.01)
             assert not rollout.done(), rollout.result()
+            assert isinstance(victim, str)
+            survivor = next(u for u in replicas if u != victim)
+            pid = _pid_on(proc.pid, victim)
+            assert pid is not None
             os.kill(pid, signal.SIGKILL)
             groups = rollout.result(timeout=300)
         assert len(groups) == 64 and all(len(g) == 1 for g in groups)
@@ -150,6 +155,11 @@ def _pid_on(launcher: int, url: str) -> int | None:
     """The launcher's child process serving ``url``."""
     port = url.rsplit(":", 1)[1]
     return next((p for p in children(launcher) if f"--port {port}" in _cmdline(p)), None)
+
+
+def _busy(replicas: list[str]) -> str | None:
+    """The first replica with requests running, if any."""
+    return next((u for u in replicas if _running(u) > 0), None)
 
 
 def _running(url: str) -> int:
