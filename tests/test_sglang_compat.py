@@ -95,8 +95,9 @@ def test_areal_generate_bodies(http) -> None:
     """The /generate bodies AReaL 1.0.4 builds (SGLangBackend.build_generation_request;
     tests/test_areal.py runs AReaL itself): every sampling field at its GenerationHyperparameters
     default, top_k 1e8 (no cut), image_data [] for a text model. Its compute_logp scoring
-    body asks for prompt logprobs (logprob_start_len, input_token_logprobs), which this
-    server does not compute: refused by name, never answered without them."""
+    body asks for prompt logprobs (logprob_start_len, input_token_logprobs): the prompt's
+    tokens from there on, as a scoring from position 0 gives them (tests/test_scoring.py:
+    equal to teacher forcing)."""
     sampling = {"top_p": 1.0, "top_k": 100000000, "max_new_tokens": 8, "temperature": 0.0,
                 "stop_token_ids": [], "ignore_eos": False, "skip_special_tokens": True,
                 "frequency_penalty": 0.0}
@@ -118,7 +119,13 @@ def test_areal_generate_bodies(http) -> None:
              "return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 0,
              "stream": False}
     r = http.post("/generate", json=score)
-    assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
+    assert r.status_code == 200, r.text
+    whole = generate(http, input_ids=PROMPT, sampling_params={"max_new_tokens": 0},
+                     return_logprob=True, logprob_start_len=0)
+    got = r.json()["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in got] == PROMPT[2:]
+    assert [lp for lp, _, _ in got] == pytest.approx(
+        [lp for lp, _, _ in whole["meta_info"]["input_token_logprobs"][2:]], abs=1e-5)
 
 
 def test_server_info_and_load_reports(http) -> None:

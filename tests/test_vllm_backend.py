@@ -187,6 +187,44 @@ def test_logprobs_are_the_targets(plain: Served, prompts, model_dir: Path) -> No
         assert top[0][1] == token and len(top) == 2
 
 
+def test_scoring_equals_teacher_forcing_in_both_dialects(plain: Served, prompts,
+                                                        model_dir: Path) -> None:
+    """fp32: prompt logprobs through vLLM (SGLang's logprob_start_len with nothing generated,
+    vLLM's prompt_logprobs on completions) equal HF's teacher-forced ones within float noise
+    (the tolerance above), with ranks and top logprobs."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    seqs = [prompts[1], prompts[3][:20]]
+    with plain.http(timeout=300) as http:
+        sgl = http.post("/generate", json={
+            "input_ids": seqs, "return_logprob": True, "logprob_start_len": [0, 5],
+            "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 0}})
+        oai = http.post("/v1/completions", json={
+            "prompt": seqs, "max_tokens": 1, "prompt_logprobs": 1, "temperature": 1.0})
+    assert sgl.status_code == 200 and oai.status_code == 200, (sgl.text, oai.text)
+    for ids, start, out, choice in zip(seqs, (0, 5), sgl.json(), oai.json()["choices"],
+                                       strict=True):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+        want = [float(ref[p - 1, ids[p]]) for p in range(1, len(ids))]
+        meta = out["meta_info"]
+        assert out["output_ids"] == [] and meta["finish_reason"]["type"] == "length"
+        got = [lp for lp, _, _ in meta["input_token_logprobs"]]
+        assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[start:]
+        assert (got[0] is None) == (start == 0)
+        assert got[1 if start == 0 else 0:] == pytest.approx(want[max(start, 1) - 1:], abs=2e-3)
+        for p, top in zip(range(start, len(ids)), meta["input_top_logprobs"], strict=True):
+            if p:
+                assert [t for _, t, _ in top] == ref[p - 1].topk(2).indices.tolist()
+        plp = choice["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == len(ids)
+        assert [plp[p][str(ids[p])]["logprob"] for p in range(1, len(ids))] == pytest.approx(
+            want, abs=2e-3)
+        assert all(plp[p][str(ids[p])]["rank"] == int((ref[p - 1] > ref[p - 1, ids[p]]).sum())
+                   + 1 for p in range(1, len(ids)))
+
+
 @pytest.mark.parametrize("field,value", [("top_p", 0.9), ("top_k", 5), ("min_p", 0.1)])
 def test_logprobs_of_a_truncated_distribution_are_refused(plain: Served, field, value) -> None:
     with plain.http() as http:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # top logprobs per position, as vLLM's default
+
 
 class ParamError(ValueError):
     """An out-of-range or ill-typed request field; ``field`` names it."""
@@ -19,6 +21,10 @@ class SamplingParams:
 
     ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` disable those filters.
     ``seed`` makes sampling reproducible whatever else is in the batch.
+    ``max_new_tokens == 0`` runs the prompt only (scoring: nothing is sampled).
+    ``prompt_logprobs >= 0`` asks for the logprob of every prompt token from position
+    ``prompt_logprobs_start`` on, each given the tokens before it, with that many top
+    logprobs per position (the target's raw distribution, whatever the temperature).
     """
 
     max_new_tokens: int = 128
@@ -36,6 +42,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int = -1  # -1: none
+    prompt_logprobs_start: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists from JSON-ish callers but store immutable tuples.
@@ -47,9 +55,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def scores_prompt(self) -> bool:
+        return self.prompt_logprobs >= 0
+
+    def check_prompt(self, length: int) -> None:
+        """What depends on the prompt: a scoring start inside it."""
+        if self.scores_prompt and self.prompt_logprobs_start >= length:
+            raise ParamError("prompt_logprobs_start", f"must be below the prompt's length "
+                             f"{length}, got {self.prompt_logprobs_start}")
+
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ParamError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:
+            raise ParamError("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ParamError("temperature", f"must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -64,8 +82,15 @@ class SamplingParams:
             raise ParamError("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ParamError("stop_token_ids", "token ids must be >= 0")
-        if not 0 <= self.top_logprobs <= 20:
-            raise ParamError("top_logprobs", f"must be in [0, 20], got {self.top_logprobs}")
+        if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ParamError("top_logprobs",
+                             f"must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        if not -1 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ParamError("prompt_logprobs",
+                             f"must be in [-1, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.prompt_logprobs_start < 0:
+            raise ParamError("prompt_logprobs_start",
+                             f"must be >= 0, got {self.prompt_logprobs_start}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ParamError("seed", f"must be in [0, 2**63), got {self.seed}")
 

@@ -25,6 +25,7 @@ from tlt_serve.engine.request import Request
 from tlt_serve.engine.runner import ModelRunner
 from tlt_serve.engine.sampler import Sampler
 from tlt_serve.engine.scheduler import Emitted, Sampled, ScheduledBatch, Scheduler
+from tlt_serve.engine.scoring import first_needed, score_prompts
 from tlt_serve.engine.speculation import SpeculationBuilder, plain_decoding
 from tlt_serve.engine.stats import EngineStats
 from tlt_serve.engine.step_graphs import StepGraphs
@@ -101,6 +102,7 @@ class Engine:
         Raises ParamError for a prompt the engine cannot run.
         """
         self._check_prompt(prompt_ids)
+        params.check_prompt(len(prompt_ids))
         if len(self.scheduler.waiting) + params.n > self.config.scheduler.max_waiting:
             # n samples take n queue places: count them all, or a big n overshoots the cap.
             raise OverflowError(f"queue full ({self.config.scheduler.max_waiting} waiting)")
@@ -180,7 +182,7 @@ class Engine:
             return
         leads = {id(r) for r in batch.forward}
         spare = range(max(r.row for r in batch.samplers) + 1, self.kv.rows)
-        claims = [(r.row, r.prompt_ids if id(r) in leads else None) for r in batch.samplers]
+        claims = [(r.row, _reusable(r) if id(r) in leads else None) for r in batch.samplers]
         got = self.prefix.admit(claims, self.weight_version, spare)
         for r, n in zip(batch.samplers, got, strict=True):
             if id(r) in leads:
@@ -217,6 +219,8 @@ class Engine:
         emitted: Sampled | Emitted
         if plan is None:
             run = self.runner.run(batch)
+            if batch.is_prefill:
+                score_prompts(self.model, batch, run.hidden)
             emitted = self.sampler.sample(run.logits[batch.logit_index], batch.samplers)
         else:
             run, emitted = self.spec.verify(
@@ -251,6 +255,14 @@ class Engine:
         if not version:
             raise ParamError("new_version", "must be a non-empty string")
         self.weight_version = version
+
+
+def _reusable(req: Request) -> list[int]:
+    """The part of a prompt whose KV a cached prefix may supply: a scored prompt computes
+    every position its scores read."""
+    if req.params.scores_prompt:
+        return req.prompt_ids[: first_needed(req) + 1]
+    return req.prompt_ids
 
 
 def sample_rids(rid: str, n: int) -> list[str]:

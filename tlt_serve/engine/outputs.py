@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tlt_serve.engine.request import FinishReason, SpecCounts
+from tlt_serve.engine.request import FinishReason, PromptLogprobs, SpecCounts
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class StepOutput:
     cached_tokens: int
     weight_version: str  # the target weights this step ran under
     spec: SpecCounts = SpecCounts()  # the request's speculation counters so far (cumulative)
+    prompt_logprobs: PromptLogprobs | None = None  # on the request's first output, if asked
 
     @property
     def finished(self) -> bool:
@@ -42,6 +43,7 @@ class RequestResult:
     weight_version: str = ""  # version of the last step
     weight_versions: list[str] = field(default_factory=list)  # all, in order (RL: off-policy)
     spec: SpecCounts = field(default_factory=SpecCounts)
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, out: StepOutput) -> None:
         self.token_ids.extend(out.token_ids)
@@ -52,5 +54,7 @@ class RequestResult:
         self.cached_tokens = out.cached_tokens
         self.weight_version = out.weight_version
         self.spec = out.spec
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if not self.weight_versions or self.weight_versions[-1] != out.weight_version:
             self.weight_versions.append(out.weight_version)

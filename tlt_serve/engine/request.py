@@ -25,6 +25,21 @@ class FinishReason:
     matched: int | str | None = None
 
 
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A scored prompt: the logprob of each token from position ``start`` on given the
+    tokens before it, under the target's raw distribution (position 0 has none: None), its
+    rank there (1: the most likely token) and the position's top logprobs."""
+
+    start: int
+    logprobs: list[float | None]
+    ranks: list[int | None]
+    top: list[TopLogprobs]  # one list per position ([] at position 0, or when none asked)
+
+
 @dataclass(frozen=True)
 class SpecCounts:
     """Speculation counters of one request: verify steps it drafted in, draft tokens
@@ -71,6 +86,11 @@ class Request:
     kv_version: str | None = None  # the weight version its prefill ran under
     spec: SpecCounts = field(default_factory=SpecCounts)
     finish: FinishReason | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # scored at its prefill, sent once
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        out, self.prompt_logprobs = self.prompt_logprobs, None
+        return out
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tlt_serve.engine.outputs import StepOutput
-from tlt_serve.engine.request import FinishReason, Request, Status
+from tlt_serve.engine.request import FinishReason, Request, Status, TopLogprobs
 from tlt_serve.sampling_params import SamplingParams
 
 RowMover = Callable[[int, int, int], None]  # (src_row, dst_row, num_tokens)
@@ -36,9 +36,6 @@ class ScheduledBatch:
     samplers: list[Request]
     logit_index: list[int]
     copies: list[tuple[int, int, int]]
-
-
-TopLogprobs = list[tuple[int, float]]  # (token id, logprob), best first
 
 
 @dataclass(frozen=True)
@@ -181,9 +178,12 @@ class Scheduler:
         tops: list[TopLogprobs] | None,
         version: str,
     ) -> StepOutput:
-        """Append tokens one by one; the first that finishes the request drops the rest."""
+        """Append tokens one by one; the first that finishes the request drops the rest. A
+        request for none (scoring a prompt) finishes with nothing appended."""
         text = ""
         n = 0
+        if req.params.max_new_tokens == 0:
+            req.finish, tokens = FinishReason("length"), []
         for n, token in enumerate(tokens, start=1):
             req.output_ids.append(token)
             req.logprobs.append(logprobs[n - 1])
@@ -236,6 +236,7 @@ class Scheduler:
             cached_tokens=req.cached_tokens,
             weight_version=version,
             spec=req.spec,
+            prompt_logprobs=req.take_prompt_logprobs(),
         )
 
     def _release(self, done: list[Request]) -> None:

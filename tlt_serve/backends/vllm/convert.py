@@ -11,6 +11,9 @@
   logprobs together with a truncation gets a 400 naming the truncating field: vLLM would
   report the truncated distribution's values, not the target's.
 - With speculation configured vLLM refuses ``min_p``: a 400 naming it, as well.
+- Scoring: ``prompt_logprobs`` are vLLM's (the raw distribution, as natively; vLLM never
+  reads a cached prefix for them); a request for no new tokens asks vLLM for one (its
+  least) and drops it, finishing with "length".
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tlt_serve.engine.outputs import StepOutput
-from tlt_serve.engine.request import FinishReason, SpecCounts
+from tlt_serve.engine.request import FinishReason, PromptLogprobs, SpecCounts
 from tlt_serve.sampling_params import ParamError, SamplingParams
 
 BACKEND = "vllm"
@@ -57,8 +60,9 @@ def vllm_params(params: SamplingParams, index: int, max_tokens: int) -> Any:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
-        max_tokens=max_tokens,
+        max_tokens=max(max_tokens, 1),  # none (scoring only): one, dropped (SampleState)
         logprobs=params.top_logprobs if want_logprobs else None,
+        prompt_logprobs=params.prompt_logprobs if params.scores_prompt else None,
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         include_stop_str_in_output=params.include_stop_in_text,
@@ -72,7 +76,9 @@ class SampleState:
 
     rid: str  # the engine id: rid, or rid#i
     prompt_tokens: int
+    params: SamplingParams
     cached_tokens: int = 0
+    scored: bool = False  # its prompt logprobs were sent
     drafter_versions: tuple[int, ...] = ()  # drafters that served while it ran, in order
 
     def saw_drafter(self, version: int | None) -> None:
@@ -81,36 +87,72 @@ class SampleState:
             self.drafter_versions = (*self.drafter_versions, version)
 
 
-def step_output(
-    state: SampleState, out: Any, completion: Any, weight_version: str, want_top: int
-) -> StepOutput:
+def step_output(state: SampleState, out: Any, completion: Any, weight_version: str
+                ) -> StepOutput:
     """One vLLM DELTA ``CompletionOutput`` → our ``StepOutput``. Its speculation counters
     are vLLM's per-request summary, on the finishing output only (vLLM reports none before,
     nor for an aborted request); the drafter versions are those that served meanwhile."""
     if out.num_cached_tokens is not None:
         state.cached_tokens = out.num_cached_tokens
+    scored = None
+    if out.prompt_logprobs is not None and not state.scored:
+        state.scored = True
+        scored = prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, state.params)
     tokens = list(completion.token_ids)
     logprobs: list[float] = []
     tops: list[list[tuple[int, float]]] = []
+    want_top = state.params.top_logprobs
     if completion.logprobs is not None:
         for token, entries in zip(tokens, completion.logprobs, strict=True):
             logprobs.append(float(entries[token].logprob))
             if want_top:
-                ranked = sorted((e.rank, t, e.logprob) for t, e in entries.items()
-                                if e.rank is not None and e.rank <= want_top)
-                tops.append([(t, float(lp)) for _, t, lp in ranked])
+                tops.append(_ranked(entries, want_top))
+    finish, text = finish_reason(completion), completion.text
+    if state.params.max_new_tokens == 0:  # scoring only: the one token vLLM made goes
+        tokens, logprobs, tops, text = [], [], [], ""
+        finish = finish if finish is None or finish.type == "abort" else FinishReason("length")
     return StepOutput(
         rid=state.rid,
         token_ids=tokens,
         logprobs=logprobs,
         top_logprobs=tops,
-        text=completion.text,
-        finish=finish_reason(completion),
+        text=text,
+        finish=finish,
         prompt_tokens=state.prompt_tokens,
         cached_tokens=state.cached_tokens,
         weight_version=weight_version,
         spec=replace(spec_counts(completion), drafter_versions=state.drafter_versions),
+        prompt_logprobs=scored,
     )
+
+
+def _ranked(entries: dict[int, Any], k: int) -> list[tuple[int, float]]:
+    """The top ``k`` of a vLLM logprobs dict (token → Logprob with its rank), best first."""
+    ranked = sorted((e.rank, t, e.logprob) for t, e in entries.items()
+                    if e.rank is not None and e.rank <= k)
+    return [(t, float(lp)) for _, t, lp in ranked]
+
+
+def prompt_logprobs(prompt: list[int], entries: list[Any], params: SamplingParams
+                    ) -> PromptLogprobs:
+    """vLLM's prompt logprobs (None at position 0, then token → Logprob per position) from
+    ``params.prompt_logprobs_start`` on."""
+    start, k = params.prompt_logprobs_start, params.prompt_logprobs
+    logprobs: list[float | None] = []
+    ranks: list[int | None] = []
+    tops: list[list[tuple[int, float]]] = []
+    for p in range(start, len(prompt)):
+        at = entries[p]
+        if at is None:
+            logprobs.append(None)
+            ranks.append(None)
+            tops.append([])
+            continue
+        mine = at[prompt[p]]
+        logprobs.append(float(mine.logprob))
+        ranks.append(mine.rank)
+        tops.append(_ranked(at, k) if k else [])
+    return PromptLogprobs(start, logprobs, ranks, tops)
 
 
 def finish_reason(completion: Any) -> FinishReason | None:

@@ -140,9 +140,8 @@ class VllmLoop:
         for sub, queue in zip(subs, collectors, strict=True):
             if self.capture is not None:
                 self.capture.on_add(sub, queue.request_id, msg.prompt_ids)
-            state = SampleState(sub, len(msg.prompt_ids))
-            self.tasks[sub] = asyncio.create_task(
-                self._stream(msg.rid, state, queue, params.top_logprobs))
+            state = SampleState(sub, len(msg.prompt_ids), params)
+            self.tasks[sub] = asyncio.create_task(self._stream(msg.rid, state, queue))
 
     def _prompt(self, ids: list[int]) -> Any:
         from vllm.inputs import tokens_input
@@ -151,7 +150,7 @@ class VllmLoop:
         # other weights.
         return tokens_input(ids, cache_salt=f"w:{self.state.version}")
 
-    async def _stream(self, rid: str, sample: SampleState, queue: Any, want_top: int) -> None:
+    async def _stream(self, rid: str, sample: SampleState, queue: Any) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         state = self.state
@@ -162,7 +161,7 @@ class VllmLoop:
                 finished = out.finished
                 sample.saw_drafter(state.drafter_version)
                 for completion in out.outputs:
-                    step = step_output(sample, out, completion, state.version, want_top)
+                    step = step_output(sample, out, completion, state.version)
                     self.outbox.outputs.append(step)
                     if self.capture is not None:
                         self.capture.on_output(sample.rid, step.token_ids, step.finish)

@@ -7,7 +7,15 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -73,13 +81,26 @@ def _same(value: Any, allowed: Any) -> bool:
     return value is None if allowed is None else type(value) is type(allowed) and value == allowed
 
 
-def make_params(rename: Mapping[str, str], **kwargs: Any) -> SamplingParams:
-    """SamplingParams(**kwargs) with a ParamError renamed to the API's field name."""
+@contextmanager
+def api_names(rename: Mapping[str, str]) -> Iterator[None]:
+    """A ParamError raised inside renamed to the API's name for its field."""
     try:
-        return SamplingParams(**kwargs)
+        yield
     except ParamError as err:
         field = rename.get(err.field, err.field)
         raise ParamError(field, str(err).split(": ", 1)[1]) from err
+
+
+def make_params(rename: Mapping[str, str], **kwargs: Any) -> SamplingParams:
+    """SamplingParams(**kwargs) with a ParamError renamed to the API's field name."""
+    with api_names(rename):
+        return SamplingParams(**kwargs)
+
+
+def check_scoring(params: SamplingParams, prompt_len: int, rename: Mapping[str, str]) -> None:
+    """A scoring start inside the prompt, named as the API names it."""
+    with api_names(rename):
+        params.check_prompt(prompt_len)
 
 
 def sse_event(payload: bytes) -> bytes:
@@ -249,4 +270,6 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 def token_texts(tok: Tokenizer, ids: list[int]) -> list[str]:
     """Each token decoded on its own (what logprob entries show)."""
+    if not ids:
+        return []  # transformers decodes an empty batch as one empty text
     return [str(t) for t in tok.hf.batch_decode([[i] for i in ids])]

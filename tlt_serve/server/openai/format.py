@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from tlt_serve.engine.outputs import RequestResult, StepOutput
-from tlt_serve.engine.request import FinishReason
+from tlt_serve.engine.request import FinishReason, PromptLogprobs
 from tlt_serve.models.tokenizer import Tokenizer
 from tlt_serve.sampling_params import SamplingParams
 from tlt_serve.server.common.jobs import SampleBook, token_texts
 from tlt_serve.server.openai.protocol import (
     ChatLogprobs,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobsOut,
     PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
@@ -62,12 +64,21 @@ def _newest(versions: list[str]) -> str:
 
 
 class LogprobFormatter:
-    def __init__(self, tok: Tokenizer) -> None:
+    """``as_ids``: tokens shown as ``token_id:{id}`` (vLLM's ``return_tokens_as_token_ids``:
+    exact for RL clients, whatever the tokenizer's text for a partial character)."""
+
+    def __init__(self, tok: Tokenizer, as_ids: bool = False) -> None:
         self.tok = tok
+        self.as_ids = as_ids
+
+    def texts(self, ids: list[int]) -> list[str]:
+        if self.as_ids:
+            return [f"token_id:{t}" for t in ids]
+        return token_texts(self.tok, ids)
 
     def _top_texts(self, tops: list[list[tuple[int, float]]]) -> list[list[str]]:
         """The text of every top-logprob token, decoded in one tokenizer call."""
-        flat = token_texts(self.tok, [t for row in tops for t, _ in row])
+        flat = self.texts([t for row in tops for t, _ in row])
         out, i = [], 0
         for row in tops:
             out.append(flat[i : i + len(row)])
@@ -81,12 +92,12 @@ class LogprobFormatter:
 
         Returns the logprobs and the offset after them (for the next stream chunk).
         """
-        texts = token_texts(self.tok, ids)
+        texts = self.texts(ids)
         offsets = []
         for text in texts:
             offsets.append(offset)
             offset += len(text)
-        top = []
+        top: list[dict[str, float] | None] = []
         top_texts = self._top_texts(tops)
         for i, (text, lp) in enumerate(zip(texts, lps, strict=True)):
             entry = {text: lp}  # the sampled token is always listed, as vLLM does
@@ -94,12 +105,51 @@ class LogprobFormatter:
                 for t_text, (_, t_lp) in zip(top_texts[i], tops[i], strict=True):
                     entry.setdefault(t_text, t_lp)
             top.append(entry)
-        return CompletionLogprobs(texts, list(lps), top, offsets), offset
+        values: list[float | None] = list(lps)
+        return CompletionLogprobs(texts, values, top, offsets), offset
+
+    def echoed(self, prompt: list[int], scored: PromptLogprobs, k: int,
+               then: CompletionLogprobs | None) -> tuple[CompletionLogprobs, int]:
+        """An echoed prompt's logprobs (its first token has none), ``then`` the
+        completion's after it; returns them and the offset after the prompt's text."""
+        lps = list(scored.logprobs)
+        firsts = [lp is None for lp in lps]
+        out, offset = self.completion(prompt, [0.0 if lp is None else lp for lp in lps],
+                                      [top[:k] for top in scored.top], 0)
+        out.token_logprobs = lps
+        out.top_logprobs = [None if first else entry
+                            for first, entry in zip(firsts, out.top_logprobs or [], strict=True)]
+        if then is not None:
+            out.tokens += then.tokens
+            out.token_logprobs += then.token_logprobs
+            out.top_logprobs += then.top_logprobs or []
+            out.text_offset += [offset + o for o in then.text_offset]
+        return out, offset
+
+    def prompt_logprobs(self, prompt: list[int], scored: PromptLogprobs,
+                        k: int) -> PromptLogprobsOut:
+        """vLLM's ``prompt_logprobs``: per position the prompt token's entry and the top
+        ``k`` (None at a position with no logprob)."""
+        ids = prompt[scored.start :]
+        tops = [top[:k] for top in scored.top]
+        texts = self.texts(ids)
+        top_texts = self._top_texts(tops)
+        out: PromptLogprobsOut = [None] * scored.start
+        for t, text, lp, rank, top, names in zip(ids, texts, scored.logprobs, scored.ranks,
+                                                 tops, top_texts, strict=True):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(t): PromptLogprob(lp, rank, text)}
+            for r, ((tid, t_lp), name) in enumerate(zip(top, names, strict=True), start=1):
+                entry.setdefault(str(tid), PromptLogprob(t_lp, r, name))
+            out.append(entry)
+        return out
 
     def chat(
         self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]
     ) -> ChatLogprobs:
-        texts = token_texts(self.tok, ids)
+        texts = self.texts(ids)
         content = []
         top_texts = self._top_texts(tops)
         for i, (text, lp) in enumerate(zip(texts, lps, strict=True)):

@@ -6,7 +6,7 @@ from typing import Any
 
 from tlt_serve.contract.reports import EngineInfo
 from tlt_serve.models.tokenizer import Tokenizer
-from tlt_serve.sampling_params import ParamError, SamplingParams
+from tlt_serve.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
 from tlt_serve.server.common.jobs import Job, check_prompt, make_params, new_rid, require_defaults
 from tlt_serve.server.openai.protocol import (
     CHAT_DEFAULT_ONLY,
@@ -15,8 +15,6 @@ from tlt_serve.server.openai.protocol import (
     CommonReq,
     CompletionReq,
 )
-
-MAX_LOGPROBS = 20
 
 
 def completion_jobs(req: CompletionReq, tok: Tokenizer, info: EngineInfo) -> list[Job]:
@@ -29,11 +27,14 @@ def completion_jobs(req: CompletionReq, tok: Tokenizer, info: EngineInfo) -> lis
     prompts = _completion_prompts(req.prompt, tok)
     base = new_rid()
     jobs = []
+    # An echoed prompt's logprobs come with `logprobs` (as vLLM): its tokens are scored too.
+    echoed = req.logprobs if req.echo and req.logprobs is not None else None
+    scored = max((k for k in (req.prompt_logprobs, echoed) if k is not None), default=None)
     for i, ids in enumerate(prompts):
         check_prompt(ids, info, "prompt")
         params = _params(
             req, info, len(ids), req.max_tokens, req.logprobs is not None, req.logprobs or 0,
-            {"top_logprobs": "logprobs"},
+            {"top_logprobs": "logprobs"}, scored,
         )
         jobs.append(Job(base if len(prompts) == 1 else f"{base}-{i}", ids, params))
     return jobs
@@ -69,7 +70,7 @@ def chat_job(req: ChatReq, tok: Tokenizer, info: EngineInfo) -> Job:
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = _params(
         req, info, len(ids), limit, req.logprobs, req.top_logprobs or 0,
-        {"max_new_tokens": field},
+        {"max_new_tokens": field}, req.prompt_logprobs,
     )
     return Job(new_rid(), ids, params)
 
@@ -112,9 +113,13 @@ def _params(
     logprobs: bool,
     top_logprobs: int,
     rename: dict[str, str],
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise ParamError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got "
+                         f"{prompt_logprobs}")
     room = info.max_model_len - prompt_len
-    names = {"max_new_tokens": "max_tokens", **rename}
+    names = {"max_new_tokens": "max_tokens", "prompt_logprobs": "prompt_logprobs", **rename}
     if max_tokens is not None and max_tokens > room:
         # As OpenAI and vLLM: refused, not silently cut at the end of the context.
         raise ParamError(
@@ -140,4 +145,5 @@ def _params(
         seed=req.seed,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=-1 if prompt_logprobs is None else prompt_logprobs,
     )

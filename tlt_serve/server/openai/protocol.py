@@ -39,6 +39,8 @@ class CommonReq(Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:{id}"
+    prompt_logprobs: int | None = None  # each prompt token's logprob, with this many top ones
     repetition_penalty: float | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
@@ -69,7 +71,6 @@ class CompletionReq(CommonReq, kw_only=True):
 
 COMPLETION_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     **COMMON_DEFAULT_ONLY,
-    "echo": (False,),
     "suffix": (None, ""),
 }
 
@@ -134,9 +135,20 @@ class Usage(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(Struct):
+    """vLLM's entry of ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+PromptLogprobsOut = list[dict[str, PromptLogprob] | None]  # per prompt position, None first
 
 
 class CompletionChoice(Struct):
@@ -147,6 +159,7 @@ class CompletionChoice(Struct):
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobsOut | UnsetType = UNSET
 
 
 class CompletionResponse(Struct):
@@ -199,6 +212,7 @@ class ChatResponse(Struct):
     object: str = "chat.completion"
     usage: Usage | None | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobsOut | UnsetType = UNSET
 
 
 class ChatDelta(Struct):
@@ -224,6 +238,7 @@ class ChatChunk(Struct):
     object: str = "chat.completion.chunk"
     usage: Usage | None | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobsOut | UnsetType = UNSET
 
 
 class ModelCard(Struct):

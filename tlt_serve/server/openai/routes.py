@@ -9,7 +9,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from tlt_serve.engine.outputs import StepOutput
+from tlt_serve.engine.outputs import RequestResult, StepOutput
 from tlt_serve.server.common.bridge import EngineDeadError
 from tlt_serve.server.common.errors import ApiError, decode_body, error_body
 from tlt_serve.server.common.jobs import (
@@ -45,10 +45,12 @@ from tlt_serve.server.openai.protocol import (
     ChatReq,
     ChatResponse,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionReq,
     CompletionResponse,
     ModelCard,
     ModelList,
+    PromptLogprobsOut,
 )
 
 
@@ -78,6 +80,15 @@ def openai_routes() -> APIRouter:
         return await _serve(request, st, jobs, req.stream, _Chat(st, req, jobs))
 
     return router
+
+
+def _prompt_texts(st: ServerState, req: CompletionReq, jobs: list[Job]) -> list[str]:
+    """What an echo shows of each prompt: the text sent, or the token ids' decoding."""
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if all(isinstance(p, str) for p in req.prompt):
+        return [str(p) for p in req.prompt]
+    return [st.tokenizer.hf.decode(job.prompt_ids) for job in jobs]
 
 
 def _check_model(st: ServerState, model: str | None) -> None:
@@ -130,13 +141,14 @@ class _Api:
     """Shared by both APIs: ids, timestamps, stream flags, logprob formatting."""
 
     def __init__(self, st: ServerState, prefix: str, jobs: list[Job], include_usage: bool,
-                 token_ids: bool) -> None:
+                 req: CompletionReq | ChatReq) -> None:
         self.st = st
         self.id = f"{prefix}-{jobs[0].rid}"
         self.created = int(time.time())
         self.include_usage = include_usage
-        self.token_ids = token_ids
-        self.lp = LogprobFormatter(st.tokenizer)
+        self.token_ids = req.return_token_ids
+        self.prompt_top = req.prompt_logprobs  # None: no prompt_logprobs field
+        self.lp = LogprobFormatter(st.tokenizer, req.return_tokens_as_token_ids)
         self.eos = st.tokenizer.eos_ids
         self.text_offsets: dict[int, int] = {}
 
@@ -144,25 +156,48 @@ class _Api:
         return None if self.include_usage else msgspec.UNSET
 
 
+    def _prompt_logprobs(self, r: RequestResult) -> PromptLogprobsOut | msgspec.UnsetType:
+        if self.prompt_top is None or r.prompt_logprobs is None:
+            return msgspec.UNSET
+        return self.lp.prompt_logprobs(r.prompt_ids, r.prompt_logprobs, self.prompt_top)
+
+
 class _Completions(_Api):
     def __init__(self, st: ServerState, req: CompletionReq, jobs: list[Job]) -> None:
         opts = req.stream_options
-        super().__init__(st, "cmpl", jobs, bool(opts and opts.include_usage), req.return_token_ids)
+        super().__init__(st, "cmpl", jobs, bool(opts and opts.include_usage), req)
         self.started: set[int] = set()
+        self.echo = req.echo
+        self.prompt_texts = _prompt_texts(st, req, jobs) if req.echo else []
+
+    def _logprobs(self, book: SampleBook, k: int, r: RequestResult,
+                  offset: int) -> tuple[CompletionLogprobs | None, int]:
+        """A choice's logprobs from ``offset`` on: an echoed prompt's first (when ``r``
+        starts the choice), then its new tokens'."""
+        params = book.job(k).params
+        if not params.logprobs:
+            return None, offset
+        if self.echo and r.prompt_logprobs is not None:
+            prompt_end = self.lp.echoed(r.prompt_ids, r.prompt_logprobs, params.top_logprobs,
+                                        None)[1]
+            offset = max(offset, prompt_end)
+        out, end = self.lp.completion(r.token_ids, r.logprobs, r.top_logprobs, offset)
+        if self.echo and r.prompt_logprobs is not None:
+            out = self.lp.echoed(r.prompt_ids, r.prompt_logprobs, params.top_logprobs, out)[0]
+        return out, end
 
     def response(self, book: SampleBook) -> CompletionResponse:
         choices = []
         for k, r in enumerate(book.samples):
             params = book.job(k).params
-            logprobs = (
-                self.lp.completion(r.token_ids, r.logprobs, r.top_logprobs, 0)[0]
-                if params.logprobs else None
-            )
+            logprobs = self._logprobs(book, k, r, 0)[0]
+            text = self.prompt_texts[book.job_of[k]] + r.text if self.echo else r.text
             choice = CompletionChoice(
-                k, r.text, logprobs, finish_str(r.finish), stop_reason(r.finish, params, self.eos)
+                k, text, logprobs, finish_str(r.finish), stop_reason(r.finish, params, self.eos)
             )
             if self.token_ids:
                 choice.token_ids, choice.prompt_token_ids = list(r.token_ids), list(r.prompt_ids)
+            choice.prompt_logprobs = self._prompt_logprobs(r)
             choices.append(choice)
         return CompletionResponse(self.id, self.created, self.st.model_name, choices,
                                   latest_version(book), usage=usage(book))
@@ -172,18 +207,18 @@ class _Completions(_Api):
 
     def chunk(self, book: SampleBook, k: int, new: list[StepOutput]) -> bytes | None:
         d, params = merge_delta(new), book.job(k).params
-        logprobs = None
-        if params.logprobs:
-            logprobs, self.text_offsets[k] = self.lp.completion(
-                d.token_ids, d.logprobs, d.top_logprobs, self.text_offsets.get(k, 0)
-            )
+        d.prompt_ids = book.samples[k].prompt_ids
+        first = k not in self.started
+        logprobs, self.text_offsets[k] = self._logprobs(book, k, d, self.text_offsets.get(k, 0))
+        text = self.prompt_texts[book.job_of[k]] + d.text if self.echo and first else d.text
         choice = CompletionChoice(
-            k, d.text, logprobs, finish_str(d.finish), stop_reason(d.finish, params, self.eos)
+            k, text, logprobs, finish_str(d.finish), stop_reason(d.finish, params, self.eos)
         )
         if self.token_ids:
             choice.token_ids = list(d.token_ids)
-            if k not in self.started:
-                choice.prompt_token_ids = list(book.samples[k].prompt_ids)
+            if first:
+                choice.prompt_token_ids = list(d.prompt_ids)
+        choice.prompt_logprobs = self._prompt_logprobs(d)
         self.started.add(k)
         return _event(CompletionResponse(self.id, self.created, self.st.model_name, [choice],
                                          d.weight_version, usage=self._usage_field()))
@@ -198,8 +233,7 @@ class _Completions(_Api):
 class _Chat(_Api):
     def __init__(self, st: ServerState, req: ChatReq, jobs: list[Job]) -> None:
         opts = req.stream_options
-        super().__init__(st, "chatcmpl", jobs, bool(opts and opts.include_usage),
-                         req.return_token_ids)
+        super().__init__(st, "chatcmpl", jobs, bool(opts and opts.include_usage), req)
 
     def response(self, book: SampleBook) -> ChatResponse:
         choices = []
@@ -219,6 +253,7 @@ class _Chat(_Api):
                            latest_version(book), usage=usage(book))
         if self.token_ids:
             out.prompt_token_ids = list(book.jobs[0].prompt_ids)
+        out.prompt_logprobs = self._prompt_logprobs(book.samples[0])
         return out
 
     def opening(self, book: SampleBook) -> list[bytes]:
@@ -246,8 +281,12 @@ class _Chat(_Api):
         )
         if self.token_ids:
             choice.token_ids = list(d.token_ids)
-        return _event(ChatChunk(self.id, self.created, self.st.model_name, [choice],
-                                d.weight_version, usage=self._usage_field()))
+        d.prompt_ids = book.samples[k].prompt_ids
+        out = ChatChunk(self.id, self.created, self.st.model_name, [choice], d.weight_version,
+                        usage=self._usage_field())
+        if k == 0:
+            out.prompt_logprobs = self._prompt_logprobs(d)
+        return _event(out)
 
     def closing(self, book: SampleBook) -> bytes | None:
         if not self.include_usage:

@@ -10,7 +10,14 @@ from typing import Any
 from tlt_serve.contract.reports import EngineInfo
 from tlt_serve.models.tokenizer import Tokenizer
 from tlt_serve.sampling_params import ParamError, SamplingParams
-from tlt_serve.server.common.jobs import Job, check_prompt, make_params, new_rid, require_defaults
+from tlt_serve.server.common.jobs import (
+    Job,
+    check_prompt,
+    check_scoring,
+    make_params,
+    new_rid,
+    require_defaults,
+)
 from tlt_serve.server.sglang.protocol import (
     GENERATE_DEFAULT_ONLY,
     SGL_DEFAULT_ONLY,
@@ -27,11 +34,14 @@ def generate_jobs(req: GenerateReq, tok: Tokenizer, info: EngineInfo) -> tuple[l
     sps = _per_prompt(req.sampling_params, count, "sampling_params", SglSamplingParams())
     logprob = _per_prompt(req.return_logprob, count, "return_logprob", False)
     top_n = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num", 0)
+    starts = _per_prompt(req.logprob_start_len, count, "logprob_start_len", -1)
     rids = _rids(req.rid, count)
     jobs = []
     for i, ids in enumerate(prompts):
         check_prompt(ids, info, f"{field}[{i}]" if batch else field)
-        jobs.append(Job(rids[i], ids, _sgl_params(sps[i], logprob[i], top_n[i])))
+        params = _sgl_params(sps[i], logprob[i], top_n[i], _start(starts[i], len(ids)))
+        check_scoring(params, len(ids), _SGL_FIELD_NAMES)
+        jobs.append(Job(rids[i], ids, params))
     single = not batch and jobs[0].params.n == 1
     return jobs, single
 
@@ -51,6 +61,12 @@ def _native_prompts(req: GenerateReq, tok: Tokenizer) -> tuple[list[list[int]], 
     if all(isinstance(t, list) for t in ids):
         return [list(p) for p in ids], "input_ids", True  # type: ignore[arg-type]
     raise ParamError("input_ids", "must be a list of token ids or a list of such lists")
+
+
+def _start(start: int, length: int) -> int:
+    if start < -1:
+        raise ParamError("logprob_start_len", f"must be >= -1, got {start}")
+    return length - 1 if start == -1 else start
 
 
 def _per_prompt(value: Any, count: int, field: str, default: Any) -> list[Any]:
@@ -79,10 +95,12 @@ _SGL_FIELD_NAMES = {
     **{f: f"sampling_params.{f}" for f in SamplingParams.__dataclass_fields__},
     "seed": "sampling_params.sampling_seed",
     "top_logprobs": "top_logprobs_num",
+    "prompt_logprobs": "top_logprobs_num",
+    "prompt_logprobs_start": "logprob_start_len",
 }
 
 
-def _sgl_params(sp: SglSamplingParams, logprob: bool, top_n: int) -> SamplingParams:
+def _sgl_params(sp: SglSamplingParams, logprob: bool, top_n: int, start: int) -> SamplingParams:
     require_defaults(sp, SGL_DEFAULT_ONLY, "sampling_params.")
     return make_params(
         _SGL_FIELD_NAMES,
@@ -101,4 +119,6 @@ def _sgl_params(sp: SglSamplingParams, logprob: bool, top_n: int) -> SamplingPar
         seed=sp.sampling_seed,
         logprobs=logprob,
         top_logprobs=top_n if logprob else 0,
+        prompt_logprobs=top_n if logprob else -1,
+        prompt_logprobs_start=start if logprob else 0,
     )

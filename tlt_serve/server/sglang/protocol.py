@@ -64,8 +64,10 @@ class GenerateReq(Struct, forbid_unknown_fields=True):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
-    # Accepted only at these no-op values.
+    # With return_logprob: the first prompt position whose logprob is returned (-1: the
+    # last prompt token only, as SGLang).
     logprob_start_len: int | list[int] = -1
+    # Accepted only at these no-op values.
     return_hidden_states: bool = False
     lora_path: str | None = None
     custom_logit_processor: str | None = None
@@ -81,7 +83,6 @@ class GenerateReq(Struct, forbid_unknown_fields=True):
 
 
 GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "logprob_start_len": (-1,),
     "return_hidden_states": (False,),
     "lora_path": (None,),
     "custom_logit_processor": (None,),
@@ -102,6 +103,8 @@ class FinishReasonOut(Struct):
 
 # (logprob, token_id, token text or None) — SGLang's tuple layout, kept for drop-in clients.
 LogprobEntry = tuple[float, int, str | None]
+# A prompt position's: no logprob at position 0 (nothing precedes it).
+InputLogprobEntry = tuple[float | None, int, str | None]
 
 
 class MetaInfo(Struct):
@@ -115,6 +118,9 @@ class MetaInfo(Struct):
     e2e_latency: float
     output_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
     output_top_logprobs: list[list[LogprobEntry]] | UnsetType = UNSET
+    # The prompt's tokens from logprob_start_len on, each given the tokens before it.
+    input_token_logprobs: list[InputLogprobEntry] | UnsetType = UNSET
+    input_top_logprobs: list[list[LogprobEntry] | None] | UnsetType = UNSET
     # Only when the server speculates (as SGLang). accept_length: mean accepted drafts per
     # verify step, EXCLUDING the bonus token; accept_rate: accepted / drafted tokens.
     spec_accept_length: float | UnsetType = UNSET

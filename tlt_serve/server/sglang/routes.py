@@ -8,7 +8,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from tlt_serve.engine.request import FinishReason
+from tlt_serve.engine.request import FinishReason, PromptLogprobs
 from tlt_serve.sampling_params import SamplingParams
 from tlt_serve.server.common.bridge import EngineDeadError
 from tlt_serve.server.common.errors import decode_body, error_body
@@ -106,7 +106,22 @@ class _Formatter:
             ]
             if params.top_logprobs:
                 meta.output_top_logprobs = [self._top(pos) for pos in r.top_logprobs]
+        if r.prompt_logprobs is not None:
+            self._input_logprobs(meta, r.prompt_logprobs, r.prompt_ids, params.top_logprobs)
         return GenerateOut(text=r.text, output_ids=r.token_ids, meta_info=meta)
+
+    def _input_logprobs(self, meta: MetaInfo, scored: PromptLogprobs, prompt: list[int],
+                        top_n: int) -> None:
+        ids = prompt[scored.start :]
+        texts = self._texts(ids)
+        meta.input_token_logprobs = [
+            (lp, t, s) for lp, t, s in zip(scored.logprobs, ids, texts, strict=True)
+        ]
+        if top_n:
+            meta.input_top_logprobs = [
+                self._top(pos) if lp is not None else None
+                for pos, lp in zip(scored.top, scored.logprobs, strict=True)
+            ]
 
     def _texts(self, ids: list[int]) -> list[str | None]:
         if not self.text_in_logprobs:

@@ -1,0 +1,58 @@
+"""Prompt logprobs of a prefill: each asked prompt token's logprob given the tokens before
+it, read off the hidden states the prefill computed anyway (no second forward)."""
+
+from __future__ import annotations
+
+import torch
+
+from tlt_serve.engine.request import PromptLogprobs, Request
+from tlt_serve.engine.scheduler import ScheduledBatch
+from tlt_serve.models.llama import LlamaModel
+
+CHUNK = 256  # positions whose logits [CHUNK, V] are formed at once (memory, not speed)
+
+
+def first_needed(req: Request) -> int:
+    """The first prompt position whose hidden state scoring ``req`` reads (the prefix
+    cache may hold at most the positions before it)."""
+    return max(req.params.prompt_logprobs_start, 1) - 1
+
+
+def score_prompts(model: LlamaModel, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+    """Sets ``prompt_logprobs`` of every request in a prefill that asked for them; siblings
+    (which share their leader's prefill) get their leader's. ``hidden`` [F, Q, H]: row f
+    holds ``batch.forward[f]``'s computed positions from its ``cached_tokens`` on."""
+    for f, req in enumerate(batch.forward):
+        if req.params.scores_prompt:
+            req.prompt_logprobs = _score(model, req, hidden[f])
+    for i, req in enumerate(batch.samplers):
+        if req.params.scores_prompt and req.prompt_logprobs is None:
+            req.prompt_logprobs = batch.forward[batch.logit_index[i]].prompt_logprobs
+
+
+def _score(model: LlamaModel, req: Request, hidden: torch.Tensor) -> PromptLogprobs:
+    """hidden [Q, H] of positions ``cached_tokens..``; the token at position p is scored by
+    the logits of position p - 1."""
+    start, k = req.params.prompt_logprobs_start, req.params.prompt_logprobs
+    prompt = req.prompt_ids
+    first = max(start, 1)  # position 0 follows nothing
+    assert req.cached_tokens <= first - 1, "the scored prompt's prefix was not computed"
+    logprobs: list[float | None] = [None] * (first - start)
+    ranks: list[int | None] = [None] * (first - start)
+    top: list[list[tuple[int, float]]] = [[] for _ in range(first - start)]
+    targets = torch.tensor(prompt[first:], device=hidden.device)  # [P]
+    for lo in range(0, len(prompt) - first, CHUNK):
+        rows = slice(first - 1 - req.cached_tokens + lo,
+                     first - 1 - req.cached_tokens + min(lo + CHUNK, len(prompt) - first))
+        lp = torch.log_softmax(model.logits(hidden[rows]).float(), dim=-1)  # [C, V]
+        tgt = targets[lo : lo + lp.shape[0]]  # [C]
+        chosen = lp.gather(1, tgt.unsqueeze(1))  # [C, 1]
+        logprobs.extend(chosen.squeeze(1).tolist())
+        ranks.extend(((lp > chosen).sum(dim=1) + 1).tolist())
+        if k:
+            values, ids = lp.topk(k, dim=-1)  # [C, k]
+            top.extend([list(zip(i, v, strict=True))
+                        for i, v in zip(ids.tolist(), values.tolist(), strict=True)])
+        else:
+            top.extend([] for _ in range(lp.shape[0]))
+    return PromptLogprobs(start, logprobs, ranks, top)
