@@ -11,6 +11,8 @@
 #                                     areal without its dependencies (they pin torch < 2.11,
 #                                     transformers <= 5.3 and dozens of trainer packages),
 #                                     plus the ones areal.engine.sglang_remote imports
+#   bash scripts/install.sh --trl     also TRL 1.16.0, for tests/test_trl.py (its VLLMClient
+#                                     imports vLLM: with --vllm)
 #
 # On a machine without an NVIDIA GPU, take the CPU build of torch first: an open `torch`
 # requirement would otherwise pull a multi-GB CUDA build. Where torch is already installed
@@ -20,11 +22,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VLLM=0
 AREAL=0
+TRL=0
 for arg in "$@"; do
   case "$arg" in
     --vllm) VLLM=1 ;;
     --areal) AREAL=1 ;;
-    *) echo "install.sh: unknown option $arg (known: --vllm, --areal)" >&2; exit 2 ;;
+    --trl) TRL=1 ;;
+    *) echo "install.sh: unknown option $arg (known: --vllm, --areal, --trl)" >&2; exit 2 ;;
   esac
 done
 GPU=0
@@ -61,4 +65,8 @@ if [ "$AREAL" = 1 ]; then
   "$PY" -m pip install --quiet colorlog==6.12.0 tenacity==9.2.1 torchdata==0.11.0 lark==1.2.2 \
     hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 numba==0.65.0 \
     einops==0.8.2 aiofiles==25.1.0 pybase64==1.5.1 flask==3.1.3 ray==2.60.0
+fi
+if [ "$TRL" = 1 ]; then
+  # Its own requirements (transformers, accelerate, datasets) fit beside the torch above.
+  "$PY" -m pip install --quiet trl==1.16.0
 fi

@@ -98,6 +98,10 @@ def test_ngram_greedy_outputs_equal_plain_server(served, spec_served) -> None:
         # The prefill commits one token, each verify step accepted + 1: never more than 40.
         accepted = round(m["spec_accept_length"] * m["spec_verify_ct"])
         assert 1 + m["spec_verify_ct"] + accepted <= m["completion_tokens"]
+        # SGLang's totals, as slime reads them
+        assert m["spec_accept_token_num"] == accepted
+        assert m["spec_accept_rate"] == pytest.approx(
+            accepted / m["spec_draft_token_num"] if m["spec_draft_token_num"] else 0.0)
     assert any(m["spec_accept_length"] > 0 for m in metas), "random tiny models repeat"
 
 

@@ -225,6 +225,23 @@ def test_scoring_equals_teacher_forcing_in_both_dialects(plain: Served, prompts,
                    + 1 for p in range(1, len(ids)))
 
 
+def test_cache_salt_reaches_vllms_prefix_cache(plain: Served, prompts) -> None:
+    """vLLM reuses a cached prefix (whole 32-token blocks) only under the same salt."""
+    long = [t for p in prompts for t in p][:100]
+
+    def cached(salt: str) -> int:
+        with plain.http(timeout=300) as http:
+            r = http.post("/inference/v1/generate", json={
+                "token_ids": long, "cache_salt": salt,
+                "sampling_params": {"max_tokens": 2, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached("alice") == 0
+    assert cached("alice") >= 64
+    assert cached("bob") == 0
+
+
 @pytest.mark.parametrize("field,value", [("top_p", 0.9), ("top_k", 5), ("min_p", 0.1)])
 def test_logprobs_of_a_truncated_distribution_are_refused(plain: Served, field, value) -> None:
     with plain.http() as http:

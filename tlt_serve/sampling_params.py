@@ -44,6 +44,7 @@ class SamplingParams:
     top_logprobs: int = 0
     prompt_logprobs: int = -1  # -1: none
     prompt_logprobs_start: int = 0
+    cache_salt: str | None = None  # cached prefixes are shared only under the same salt
 
     def __post_init__(self) -> None:
         # Accept lists from JSON-ish callers but store immutable tuples.
@@ -91,6 +92,8 @@ class SamplingParams:
         if self.prompt_logprobs_start < 0:
             raise ParamError("prompt_logprobs_start",
                              f"must be >= 0, got {self.prompt_logprobs_start}")
+        if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= 1024:
+            raise ParamError("cache_salt", "must be 1 to 1024 characters")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ParamError("seed", f"must be in [0, 2**63), got {self.seed}")
 

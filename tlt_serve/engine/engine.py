@@ -20,7 +20,7 @@ from tlt_serve.engine.detokenizer import Detokenizer
 from tlt_serve.engine.features import committed_features
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.outputs import StepOutput
-from tlt_serve.engine.prefix_cache import PrefixCache
+from tlt_serve.engine.prefix_cache import PrefixCache, salted
 from tlt_serve.engine.request import Request
 from tlt_serve.engine.runner import ModelRunner
 from tlt_serve.engine.sampler import Sampler
@@ -85,7 +85,8 @@ class Engine:
             keep=None if self.prefix is None else self._finishing,
             kept=None if self.prefix is None else self._finished,
         )
-        self._finishing_rows: dict[int, list[int]] = {}  # row → tokens whose KV it holds
+        # row → (tokens whose KV it holds, its cache key)
+        self._finishing_rows: dict[int, tuple[list[int], str]] = {}
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         self.weight_version = "0"
@@ -163,7 +164,7 @@ class Engine:
         if kept is None:
             self.kv.copy_row(src, dst, length)
         else:  # a finished row the prefix cache keeps: it goes where the moved one was
-            self.kv.swap_rows(src, dst, max(length, len(kept)))
+            self.kv.swap_rows(src, dst, max(length, len(kept[0])))
             self._finishing_rows[src] = kept
         self.spec.move_row(src, dst, length)
 
@@ -183,7 +184,8 @@ class Engine:
         leads = {id(r) for r in batch.forward}
         spare = range(max(r.row for r in batch.samplers) + 1, self.kv.rows)
         claims = [(r.row, _reusable(r) if id(r) in leads else None) for r in batch.samplers]
-        got = self.prefix.admit(claims, self.weight_version, spare)
+        keys = [salted(self.weight_version, r.params.cache_salt) for r in batch.samplers]
+        got = self.prefix.admit(claims, keys, spare)
         for r, n in zip(batch.samplers, got, strict=True):
             if id(r) in leads:
                 r.cached_tokens = n
@@ -193,12 +195,13 @@ class Engine:
         once their rows have moved (``_move_row`` swaps instead of overwriting them)."""
         for r in reqs:
             if r.kv_version == self.weight_version:
-                self._finishing_rows[r.row] = (r.prompt_ids + r.output_ids)[: r.num_tokens - 1]
+                tokens = (r.prompt_ids + r.output_ids)[: r.num_tokens - 1]
+                self._finishing_rows[r.row] = (tokens, salted(r.kv_version, r.params.cache_salt))
 
     def _finished(self) -> None:
         if self.prefix is not None:
-            for row, tokens in self._finishing_rows.items():
-                self.prefix.keep(tokens, row, self.weight_version)
+            for row, (tokens, key) in self._finishing_rows.items():
+                self.prefix.keep(tokens, row, key)
         self._finishing_rows = {}
 
     # ---- the loop --------------------------------------------------------------------------

@@ -42,6 +42,12 @@ class PrefixStats:
     lookups: int
 
 
+def salted(version: str, salt: str | None) -> str:
+    """The key of KV computed under ``version`` for a request salted with ``salt`` (vLLM's
+    ``cache_salt``): requests share cached prefixes only under the same salt."""
+    return version if salt is None else f"{version}\x00{salt}"
+
+
 class PrefixCache:
     def __init__(self, copy_row: RowCopy, min_tokens: int = 1,
                  swap_rows: RowSwap | None = None) -> None:
@@ -57,7 +63,7 @@ class PrefixCache:
 
     # ---- admission ---------------------------------------------------------------------
     def admit(
-        self, claims: Sequence[tuple[int, Sequence[int] | None]], version: str,
+        self, claims: Sequence[tuple[int, Sequence[int] | None]], version: str | Sequence[str],
         spare: Sequence[int],
     ) -> list[int]:
         """One step's admissions, (row, prompt) each (prompt None: a sibling, whose KV comes
@@ -67,10 +73,13 @@ class PrefixCache:
         (free, not admitted) while there are some, else are dropped once read; every copy
         out of a row runs before the copy into it. Copies in a cycle (admitted rows holding
         each other's entries) are resolved by exchanging rows (``swap_rows``; without it the
-        first of the cycle computes its prompt instead)."""
+        first of the cycle computes its prompt instead). ``version``: the key entries must
+        carry, one for all claims or one per claim (``salted``)."""
         rows = {row for row, _ in claims}
+        keys = [version] * len(claims) if isinstance(version, str) else list(version)
         best: list[tuple[Entry | None, int]] = [
-            (None, 0) if p is None else self._longest(p, version) for _, p in claims]
+            (None, 0) if p is None else self._longest(p, key)
+            for (_, p), key in zip(claims, keys, strict=True)]
         for _, p in claims:
             self.lookups += p is not None
         in_place = {row for (row, _), (e, _) in zip(claims, best, strict=True)

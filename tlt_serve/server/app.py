@@ -24,6 +24,7 @@ from tlt_serve.server.control.routes import control_routes
 from tlt_serve.server.control.weights import weight_routes
 from tlt_serve.server.openai.routes import openai_routes
 from tlt_serve.server.sglang.routes import generate_routes
+from tlt_serve.server.vllm.routes import vllm_routes
 
 
 def build_app(
@@ -50,12 +51,13 @@ def build_app(
 
     app = FastAPI(
         title="tlt-serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-        lifespan=lifespan, description="RL rollout server: SGLang-native and OpenAI APIs",
+        lifespan=lifespan, description="RL rollout server: SGLang-native, OpenAI and vLLM RL APIs",
     )
     app.state.tlt = state
     install_error_handlers(app)
     routers = (
-        generate_routes(), openai_routes(), control_routes(), weight_routes(), drafter_routes()
+        generate_routes(), openai_routes(), vllm_routes(), control_routes(), weight_routes(),
+        drafter_routes(),
     )
     for router in routers:
         app.include_router(router)

@@ -128,7 +128,8 @@ class VllmLoop:
         try:
             for i, sub in enumerate(subs):
                 collectors.append(await self.llm.add_request(
-                    sub, self._prompt(msg.prompt_ids), vllm_params(params, i, max_tokens)))
+                    sub, self._prompt(msg.prompt_ids, params.cache_salt),
+                    vllm_params(params, i, max_tokens)))
         except Exception as err:  # vLLM refused it: nothing of it may stay queued
             await self._abort(subs[: len(collectors)])
             outbox.reject(msg.rid, "param", None, f"{type(err).__name__}: {err}")
@@ -143,12 +144,13 @@ class VllmLoop:
             state = SampleState(sub, len(msg.prompt_ids), params)
             self.tasks[sub] = asyncio.create_task(self._stream(msg.rid, state, queue))
 
-    def _prompt(self, ids: list[int]) -> Any:
+    def _prompt(self, ids: list[int], salt: str | None) -> Any:
         from vllm.inputs import tokens_input
 
         # The weight version salts the prefix cache: a prompt never reuses KV computed under
-        # other weights.
-        return tokens_input(ids, cache_salt=f"w:{self.state.version}")
+        # other weights (nor under another request salt).
+        own = f"w:{self.state.version}"
+        return tokens_input(ids, cache_salt=own if salt is None else f"{own}:{salt}")
 
     async def _stream(self, rid: str, sample: SampleState, queue: Any) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError

@@ -146,4 +146,5 @@ def _params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         prompt_logprobs=-1 if prompt_logprobs is None else prompt_logprobs,
+        cache_salt=req.cache_salt,
     )

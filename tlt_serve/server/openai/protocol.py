@@ -41,6 +41,7 @@ class CommonReq(Struct, forbid_unknown_fields=True, kw_only=True):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:{id}"
     prompt_logprobs: int | None = None  # each prompt token's logprob, with this many top ones
+    cache_salt: str | None = None  # cached prefixes are shared only under the same salt
     repetition_penalty: float | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False

@@ -67,7 +67,7 @@ def openai_routes() -> APIRouter:
     async def completions(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), CompletionReq)
-        _check_model(st, req.model)
+        check_model(st, req.model)
         jobs = completion_jobs(req, st.tokenizer, st.info)
         return await _serve(request, st, jobs, req.stream, _Completions(st, req, jobs))
 
@@ -75,7 +75,7 @@ def openai_routes() -> APIRouter:
     async def chat(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), ChatReq)
-        _check_model(st, req.model)
+        check_model(st, req.model)
         jobs = [chat_job(req, st.tokenizer, st.info)]
         return await _serve(request, st, jobs, req.stream, _Chat(st, req, jobs))
 
@@ -91,7 +91,7 @@ def _prompt_texts(st: ServerState, req: CompletionReq, jobs: list[Job]) -> list[
     return [st.tokenizer.hf.decode(job.prompt_ids) for job in jobs]
 
 
-def _check_model(st: ServerState, model: str | None) -> None:
+def check_model(st: ServerState, model: str | None) -> None:
     if model is not None and model not in (st.model_name, st.info.model, st.info.model_path):
         raise ApiError(404, f"the model {model!r} does not exist (serving {st.model_name!r})",
                        "model")

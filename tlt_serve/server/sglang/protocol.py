@@ -126,6 +126,9 @@ class MetaInfo(Struct):
     spec_accept_length: float | UnsetType = UNSET
     spec_verify_ct: int | UnsetType = UNSET
     spec_accept_rate: float | UnsetType = UNSET
+    # SGLang's totals (slime's speculation metrics): accepted and drafted tokens.
+    spec_accept_token_num: int | UnsetType = UNSET
+    spec_draft_token_num: int | UnsetType = UNSET
     # Drafter versions that drafted for this sample, in order (RL: which drafter served it);
     # drafter_version is the last of them (null before any drafter step).
     drafter_version: int | None | UnsetType = UNSET

@@ -96,6 +96,8 @@ class _Formatter:
             meta.spec_accept_length = r.spec.accept_length
             meta.spec_verify_ct = r.spec.verify_ct
             meta.spec_accept_rate = r.spec.accept_rate
+            meta.spec_accept_token_num = r.spec.accepted
+            meta.spec_draft_token_num = r.spec.drafted
             versions = list(r.spec.drafter_versions)
             meta.drafter_versions = versions
             meta.drafter_version = versions[-1] if versions else None

@@ -1,0 +1,124 @@
+"""vLLM's RL routes on one port beside the SGLang and OpenAI dialects (a real server, the
+tiny model, fp32): ``/inference/v1/generate`` answers what ``/generate`` answers (tokens,
+logprobs, prompt logprobs, seeded samples), ``cache_salt`` keeps cached prefixes apart,
+``/reset_prefix_cache`` empties the cache, ``/pause`` (keep / abort) + ``/resume`` +
+``/is_paused``, ``/update_weights {weight_dir}`` serves the new weights, and what is not
+served is a 400 naming the field."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+PROMPT = [5, 9, 23, 41, 7, 7, 100, 3]
+
+
+def gen(http, **body) -> dict:
+    r = http.post("/inference/v1/generate", json={"token_ids": PROMPT, **body})
+    assert r.status_code == 200, r.text
+    out: dict = r.json()
+    return out
+
+
+def test_generate_equals_the_sglang_dialect(http) -> None:
+    sp = {"max_tokens": 6, "temperature": 0, "logprobs": 2, "prompt_logprobs": 1,
+          "ignore_eos": True}
+    out = gen(http, sampling_params=sp, return_token_ids=True)
+    ref = http.post("/generate", json={
+        "input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 2,
+        "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                    "ignore_eos": True}}).json()
+    (choice,) = out["choices"]
+    meta = ref["meta_info"]
+    assert choice["token_ids"] == ref["output_ids"] and choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [lp for lp, _, _ in meta["output_token_logprobs"]]
+    assert [[t["token_id"] for t in c["top_logprobs"]] for c in content] == [
+        [t for _, t, _ in top] for top in meta["output_top_logprobs"]]
+    assert all(c["rank"] == 1 for c in content)  # greedy: each token is its position's best
+    plp = out["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(PROMPT) == len(out["prompt_token_ids"])
+    assert [plp[p][str(PROMPT[p])]["logprob"] for p in range(1, len(PROMPT))] == [
+        lp for lp, _, _ in meta["input_token_logprobs"][1:]]
+    assert out["usage"]["prompt_tokens"] == len(PROMPT)
+    assert out["usage"]["completion_tokens"] == 6
+    seeded = {"max_tokens": 5, "temperature": 1.0, "seed": 11, "n": 2, "ignore_eos": True}
+    a = gen(http, sampling_params=seeded)
+    b = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 5, "temperature": 1.0, "sampling_seed": 11, "n": 2,
+        "ignore_eos": True}}).json()
+    assert [c["token_ids"] for c in a["choices"]] == [s["output_ids"] for s in b]
+
+
+def test_cache_salt_keeps_cached_prefixes_apart_and_reset_empties_them(http) -> None:
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    sp = {"max_tokens": 2, "temperature": 0}
+
+    def cached(salt: str | None) -> int:
+        body = {"token_ids": prompt, "sampling_params": sp}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = http.post("/inference/v1/generate", json=body)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert http.post("/reset_prefix_cache").json() == {"success": True}
+    assert cached("alice") == 0
+    assert cached("alice") == len(prompt) - 1  # her own prefix, reused
+    assert cached("bob") == 0 and cached(None) == 0  # not anyone else's
+    assert http.post("/reset_prefix_cache").json() == {"success": True}
+    assert cached("alice") == 0
+    assert http.get("/get_world_size").json() == {"world_size": 1}
+
+
+def test_pause_keep_holds_requests_until_resume(http) -> None:
+    """Paused (keep), the engine steps nothing: a request sent meanwhile waits, and runs
+    whole after ``/resume`` (requests running at the pause keep their KV: the SGLang
+    dialect's in-place pause, tests/test_server_control.py)."""
+    sp = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    assert http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).json() == {
+        "status": "paused"}
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(gen, http, sampling_params=sp)
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        time.sleep(0.5)
+        assert not held.done()
+        assert http.post("/resume").json() == {"status": "resumed"}
+        out = held.result(timeout=120)
+    assert http.get("/is_paused").json() == {"is_paused": False}
+    assert len(out["choices"][0]["token_ids"]) == 40
+    bad = http.post("/pause", params={"mode": "wait"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
+
+
+def test_update_weights_from_a_directory_serves_them(http, tiny_model_factory) -> None:
+    sp = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    before = gen(http, sampling_params=sp)
+    other = tiny_model_factory(seed=3)
+    r = http.post("/update_weights", json={"weight_dir": str(other)})
+    assert r.status_code == 200, r.text
+    after = gen(http, sampling_params=sp)
+    assert after["weight_version"] == r.json()["weight_version"] != before["weight_version"]
+    assert after["choices"][0]["token_ids"] != before["choices"][0]["token_ids"]
+    for body, field in (({"update_info": {"names": ["w"]}}, "update_info"), ({}, "weight_dir"),
+                        ({"weight_dir": "/nonexistent"}, "weight_dir")):
+        bad = http.post("/update_weights", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"token_ids": []}, "token_ids"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": -1}}, "sampling_params.max_tokens"),
+    ({"token_ids": [1], "sampling_params": {"logprobs": 50}}, "sampling_params.logprobs"),
+    ({"token_ids": [1], "sampling_params": {"repetition_penalty": 1.2}},
+     "sampling_params.repetition_penalty"),
+    ({"token_ids": [1], "stream": True}, "stream"),
+    ({"token_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+    ({"token_ids": [1], "model": "gpt-9"}, "model"),
+])
+def test_bad_bodies_are_400_naming_the_field(http, body, param) -> None:
+    r = http.post("/inference/v1/generate", json=body)
+    assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+

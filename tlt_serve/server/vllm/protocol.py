@@ -1,0 +1,131 @@
+"""Bodies of vLLM's RL routes (msgspec Structs): ``/inference/v1/generate`` (tokens in,
+tokens out) and ``/update_weights``. Unknown fields are a 400 naming them; fields vLLM
+clients send at harmless defaults are accepted only there (``*_DEFAULT_ONLY``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+from tlt_serve.server.openai.protocol import PromptLogprobsOut, PromptTokensDetails
+
+
+class VllmSamplingParams(Struct, forbid_unknown_fields=True):
+    """The part of vLLM's ``SamplingParams`` a rollout sends."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    output_kind: int = 0  # vLLM's RequestOutputKind: every kind answers whole here
+    # Accepted only at these no-op values.
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+
+SAMPLING_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "min_tokens": (0,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "logit_bias": (None, {}),
+    "structured_outputs": (None,),
+}
+
+
+class GenerateReq(Struct, forbid_unknown_fields=True):
+    token_ids: list[int]
+    sampling_params: VllmSamplingParams = msgspec.field(default_factory=VllmSamplingParams)
+    request_id: str | None = None
+    model: str | None = None
+    cache_salt: str | None = None  # cached prefixes are shared only under the same salt
+    return_token_ids: bool | None = None
+    output_mode: str = "tokens"
+    stream: bool | None = False
+    # Accepted only at these no-op values.
+    priority: int = 0
+    features: dict[str, Any] | None = None
+    content_parts: list[dict[str, Any]] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "output_mode": ("tokens",),
+    "stream": (None, False),
+    "priority": (0,),
+    "features": (None,),
+    "content_parts": (None, []),
+    "kv_transfer_params": (None,),
+}
+
+
+class GenLogprob(Struct):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+class GenLogprobsContent(Struct):
+    """The sampled token's, then its top ones in rank order."""
+
+    token_id: int
+    logprob: float
+    rank: int | None
+    top_logprobs: list[GenLogprob]
+
+
+class GenLogprobs(Struct):
+    content: list[GenLogprobsContent] | None
+
+
+class GenChoice(Struct):
+    index: int
+    finish_reason: str | None
+    stop_reason: int | str | None
+    token_ids: list[int]
+    logprobs: GenLogprobs | None
+    weight_versions: list[str]  # every weight version a step of this sample ran under
+
+
+class GenUsage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class GenerateOut(Struct):
+    request_id: str
+    model: str
+    created: int
+    choices: list[GenChoice]
+    usage: GenUsage
+    weight_version: str
+    prompt_logprobs: PromptLogprobsOut | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class UpdateWeightsReq(Struct, forbid_unknown_fields=True):
+    """prime-rl's ``{weight_dir}`` (a checkpoint directory), or vLLM's weight-transfer
+    ``{update_info}`` (refused: see ``routes.update_weights``)."""
+
+    weight_dir: str | None = None
+    update_info: dict[str, Any] | None = None

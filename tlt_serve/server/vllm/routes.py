@@ -1,0 +1,198 @@
+"""vLLM's RL routes beside the SGLang and OpenAI dialects, over the same engine contract:
+
+- ``POST /inference/v1/generate``: token ids in, token ids, logprobs and prompt logprobs out
+  (``cache_salt`` salts the prefix cache);
+- ``GET /get_world_size`` (one engine: 1), ``POST /reset_prefix_cache``;
+- ``POST /pause?mode=keep|abort``, ``POST /resume``, ``GET /is_paused``;
+- ``POST /update_weights`` with ``{weight_dir}`` (a checkpoint directory, as prime-rl sends).
+
+vLLM's weight-transfer engine (``/init_weight_transfer_engine`` and ``/update_weights`` with
+``update_info``: NCCL groups of vLLM's own) is not served: the torch.distributed routes
+(``/init_weights_update_group``, ``/update_weights_from_distributed``) carry the same
+weights."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+
+from tlt_serve.contract.controls import Continue, FlushCache, Pause, UpdateWeightsFromDisk
+from tlt_serve.engine.outputs import RequestResult
+from tlt_serve.sampling_params import ParamError, SamplingParams
+from tlt_serve.server.common.bridge import ControlRefused
+from tlt_serve.server.common.errors import decode_body
+from tlt_serve.server.common.jobs import (
+    ClientGone,
+    Job,
+    SampleBook,
+    check_prompt,
+    check_scoring,
+    collect,
+    make_params,
+    new_rid,
+    require_defaults,
+    submit_all,
+    until_disconnected,
+)
+from tlt_serve.server.common.openapi import json_body
+from tlt_serve.server.common.state import ADMIN_TAG, ServerState, get_state, json_response
+from tlt_serve.server.control.routes import fresh_stats
+from tlt_serve.server.openai.format import LogprobFormatter, finish_str, stop_reason, usage
+from tlt_serve.server.openai.routes import check_model
+from tlt_serve.server.vllm.protocol import (
+    GENERATE_DEFAULT_ONLY,
+    SAMPLING_DEFAULT_ONLY,
+    GenChoice,
+    GenerateOut,
+    GenerateReq,
+    GenLogprob,
+    GenLogprobs,
+    GenLogprobsContent,
+    GenUsage,
+    UpdateWeightsReq,
+)
+
+PAUSE_MODES = {"keep": "in_place", "abort": "abort"}  # vLLM's → ours
+_FIELDS = {  # SamplingParams field → the name in this body (error messages)
+    "max_new_tokens": "sampling_params.max_tokens",
+    "top_logprobs": "sampling_params.logprobs",
+    "prompt_logprobs_start": "sampling_params.prompt_logprobs",
+    **{f: f"sampling_params.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "n",
+                                           "stop", "stop_token_ids", "seed",
+                                           "prompt_logprobs")},
+}
+
+
+def vllm_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/inference/v1/generate", openapi_extra=json_body(GenerateReq))
+    async def generate(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), GenerateReq)
+        check_model(st, req.model)
+        job = _job(st, req)
+        streams = await submit_all(st.bridge, [job])
+        book = SampleBook([job])
+        try:
+            await until_disconnected(request, collect(streams, book))
+        except ClientGone:
+            return Response(status_code=499)
+        return json_response(_response(st, req, book))
+
+    @router.get("/get_world_size")
+    async def world_size() -> Response:
+        return json_response({"world_size": 1})  # one engine, no tensor or data parallelism
+
+    @router.post("/reset_prefix_cache", tags=[ADMIN_TAG])
+    async def reset_prefix_cache(request: Request) -> Response:
+        """As vLLM: ``success`` false while requests run (their KV is held)."""
+        try:
+            await get_state(request).bridge.call(FlushCache())
+        except ControlRefused:
+            return json_response({"success": False})
+        return json_response({"success": True})
+
+    @router.post("/pause", tags=[ADMIN_TAG])
+    async def pause(request: Request, mode: str = Query("abort"),
+                    clear_cache: bool = Query(True)) -> Response:
+        """``keep``: running requests freeze and go on after ``/resume`` with their KV;
+        ``abort``: they end now with their partial output. ``clear_cache`` is vLLM's
+        deprecated flag: a weight update empties the prefix cache anyway."""
+        if mode not in PAUSE_MODES:
+            raise ParamError("mode", f"must be one of {sorted(PAUSE_MODES)}, got {mode!r}")
+        await get_state(request).bridge.call(Pause(PAUSE_MODES[mode]))
+        return json_response({"status": "paused"})
+
+    @router.post("/resume", tags=[ADMIN_TAG])
+    async def resume(request: Request) -> Response:
+        await get_state(request).bridge.call(Continue())
+        return json_response({"status": "resumed"})
+
+    @router.get("/is_paused")
+    async def is_paused(request: Request) -> Response:
+        return json_response({"is_paused": (await fresh_stats(get_state(request))).paused})
+
+    @router.post("/update_weights", tags=[ADMIN_TAG], openapi_extra=json_body(UpdateWeightsReq))
+    async def update_weights(request: Request) -> Response:
+        st = get_state(request)
+        req = decode_body(await request.body(), UpdateWeightsReq)
+        if req.update_info is not None:
+            raise ParamError("update_info", "vLLM's weight-transfer engine is not served: send "
+                             "the weights through /init_weights_update_group and "
+                             "/update_weights_from_distributed, or a directory as weight_dir")
+        if not req.weight_dir:
+            raise ParamError("weight_dir", "give the checkpoint directory to load")
+        try:
+            done = await st.bridge.call(UpdateWeightsFromDisk(req.weight_dir))
+        except ControlRefused as err:
+            raise ParamError("weight_dir", str(err)) from err
+        return json_response({"message": "Weights updated",
+                              "weight_version": done.weight_version})
+
+    return router
+
+
+def _job(st: ServerState, req: GenerateReq) -> Job:
+    require_defaults(req, GENERATE_DEFAULT_ONLY)
+    sp = req.sampling_params
+    require_defaults(sp, SAMPLING_DEFAULT_ONLY, "sampling_params.")
+    check_prompt(req.token_ids, st.info, "token_ids")
+    room = st.info.max_model_len - len(req.token_ids)
+    if sp.max_tokens is not None and sp.max_tokens > room:
+        raise ParamError("sampling_params.max_tokens", f"is too large: {sp.max_tokens} > "
+                         f"{st.info.max_model_len} - {len(req.token_ids)} prompt tokens")
+    params = make_params(
+        _FIELDS,
+        max_new_tokens=room if sp.max_tokens is None else sp.max_tokens,
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
+        min_p=sp.min_p, n=sp.n, stop=sp.stop or (), stop_token_ids=sp.stop_token_ids or (),
+        ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
+        spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        include_stop_in_text=sp.include_stop_str_in_output, seed=sp.seed,
+        logprobs=sp.logprobs is not None, top_logprobs=sp.logprobs or 0,
+        prompt_logprobs=-1 if sp.prompt_logprobs is None else sp.prompt_logprobs,
+        cache_salt=req.cache_salt,
+    )
+    check_scoring(params, len(req.token_ids), _FIELDS)
+    return Job(req.request_id or new_rid(), list(req.token_ids), params)
+
+
+def _response(st: ServerState, req: GenerateReq, book: SampleBook) -> GenerateOut:
+    lp = LogprobFormatter(st.tokenizer)
+    params = book.jobs[0].params
+    eos = st.tokenizer.eos_ids
+    choices = [GenChoice(k, finish_str(r.finish), stop_reason(r.finish, params, eos),
+                         list(r.token_ids), _logprobs(r, params), list(r.weight_versions))
+               for k, r in enumerate(book.samples)]
+    u = usage(book)
+    assert u.prompt_tokens_details is not None  # usage() always counts cached tokens
+    first = book.samples[0]
+    out = GenerateOut(
+        request_id=book.jobs[0].rid, model=st.model_name, created=int(time.time()),
+        choices=choices, weight_version=first.weight_version,
+        usage=GenUsage(u.prompt_tokens, u.completion_tokens, u.total_tokens,
+                       u.prompt_tokens_details),
+    )
+    if first.prompt_logprobs is not None:
+        out.prompt_logprobs = lp.prompt_logprobs(first.prompt_ids, first.prompt_logprobs,
+                                                 params.prompt_logprobs)
+    if req.return_token_ids:
+        out.prompt_token_ids = list(first.prompt_ids)
+    return out
+
+
+def _logprobs(r: RequestResult, params: SamplingParams) -> GenLogprobs | None:
+    """vLLM's token-id logprobs: per token its own entry, then the top ones by rank."""
+    if not params.logprobs:
+        return None
+    content = []
+    for token, lp, tops in zip(r.token_ids, r.logprobs, r.top_logprobs or
+                               [[] for _ in r.token_ids], strict=True):
+        ranked = [GenLogprob(t, v, rank) for rank, (t, v) in enumerate(tops, start=1)]
+        rank = next((g.rank for g in ranked if g.token_id == token), None)
+        content.append(GenLogprobsContent(token, lp, rank, ranked))
+    return GenLogprobs(content)
+
