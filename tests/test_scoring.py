@@ -232,3 +232,16 @@ def test_scoring_beside_a_drafter_and_capture(tiny_model_dir: Path, tiny_drafter
     assert after[1].samples[0].token_ids == []
     check(after[1].samples[0].prompt_logprobs, hf, prompts[1], 0, 1)
     check(after[3].samples[0].prompt_logprobs, hf, prompts[3], 2, 0)
+
+
+def test_ranks_from_the_probe_equal_a_full_count() -> None:
+    """The rank shortcut (read off the top P where the token is among them) against a full
+    count, rows inside and beyond the probe, ties at its edge included."""
+    from tlt_serve.engine.scoring import _ranks
+
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(64, 500, generator=g).round(decimals=1)  # many ties
+    for probe_size in (1, 8, 64):
+        chosen = lp.gather(1, torch.randint(0, 500, (64, 1), generator=g))
+        probe = lp.topk(probe_size, dim=-1).values
+        assert _ranks(lp, chosen, probe).tolist() == ((lp > chosen).sum(dim=1) + 1).tolist()

@@ -1,9 +1,10 @@
 """vLLM's RL routes on one port beside the SGLang and OpenAI dialects (a real server, the
 tiny model, fp32): ``/inference/v1/generate`` answers what ``/generate`` answers (tokens,
-logprobs, prompt logprobs, seeded samples), ``cache_salt`` keeps cached prefixes apart,
-``/reset_prefix_cache`` empties the cache, ``/pause`` (keep / abort) + ``/resume`` +
-``/is_paused``, ``/update_weights {weight_dir}`` serves the new weights, and what is not
-served is a 400 naming the field."""
+logprobs, prompt logprobs, seeded samples), streamed or whole; ``cache_salt`` keeps cached
+prefixes apart, ``/reset_prefix_cache`` empties the cache, ``/pause`` (keep / abort) +
+``/resume`` + ``/is_paused``, ``/update_weights {weight_dir}`` serves the new weights and
+``/reload_weights`` the first ones, ``/liveness``; what is not served is a 400 naming the
+field."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from tests.harness import sse_events
 
 PROMPT = [5, 9, 23, 41, 7, 7, 100, 3]
 
@@ -114,7 +117,7 @@ def test_update_weights_from_a_directory_serves_them(http, tiny_model_factory) -
     ({"token_ids": [1], "sampling_params": {"logprobs": 50}}, "sampling_params.logprobs"),
     ({"token_ids": [1], "sampling_params": {"repetition_penalty": 1.2}},
      "sampling_params.repetition_penalty"),
-    ({"token_ids": [1], "stream": True}, "stream"),
+    ({"token_ids": [1], "output_mode": "text"}, "output_mode"),
     ({"token_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
     ({"token_ids": [1], "model": "gpt-9"}, "model"),
 ])
@@ -122,3 +125,38 @@ def test_bad_bodies_are_400_naming_the_field(http, body, param) -> None:
     r = http.post("/inference/v1/generate", json=body)
     assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
 
+
+
+def test_streamed_generate_equals_whole(http) -> None:
+    sp = {"max_tokens": 7, "temperature": 0, "logprobs": 1, "prompt_logprobs": 0,
+          "ignore_eos": True}
+    whole = gen(http, sampling_params=sp)
+    body = {"token_ids": PROMPT, "sampling_params": sp, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/inference/v1/generate", json=body) as r:
+        assert r.status_code == 200
+        events = sse_events(r.iter_lines())
+    chunks = [e for e in events if e["choices"]]
+    assert chunks[0]["prompt_token_ids"] == PROMPT
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["choices"][0][
+        "token_ids"]
+    assert [lp["logprob"] for c in chunks for lp in c["choices"][0]["logprobs"]["content"]] == [
+        lp["logprob"] for lp in whole["choices"][0]["logprobs"]["content"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"][0]["weight_versions"] == whole["choices"][0]["weight_versions"]
+    assert next(c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c) == whole[
+        "prompt_logprobs"]
+    assert events[-1]["usage"]["completion_tokens"] == 7
+
+
+def test_liveness_and_reload_weights_back_to_the_start(http, tiny_model_factory) -> None:
+    assert http.get("/liveness").json() == {"status": "alive"}
+    sp = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    assert http.post("/reload_weights").status_code == 200  # whatever ran before
+    start = gen(http, sampling_params=sp)["choices"][0]["token_ids"]
+    assert http.post("/update_weights", json={"weight_dir": str(tiny_model_factory(seed=4))}
+                     ).status_code == 200
+    assert gen(http, sampling_params=sp)["choices"][0]["token_ids"] != start
+    r = http.post("/reload_weights")
+    assert r.status_code == 200, r.text
+    assert gen(http, sampling_params=sp)["choices"][0]["token_ids"] == start

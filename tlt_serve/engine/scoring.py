@@ -10,6 +10,7 @@ from tlt_serve.engine.scheduler import ScheduledBatch
 from tlt_serve.models.llama import LlamaModel
 
 CHUNK = 256  # positions whose logits [CHUNK, V] are formed at once (memory, not speed)
+RANK_PROBE = 64  # a token's rank is read off the top this many, where it is among them
 
 
 def first_needed(req: Request) -> int:
@@ -47,12 +48,25 @@ def _score(model: LlamaModel, req: Request, hidden: torch.Tensor) -> PromptLogpr
         lp = torch.log_softmax(model.logits(hidden[rows]).float(), dim=-1)  # [C, V]
         tgt = targets[lo : lo + lp.shape[0]]  # [C]
         chosen = lp.gather(1, tgt.unsqueeze(1))  # [C, 1]
+        values, ids = lp.topk(min(max(k, RANK_PROBE), lp.shape[1]), dim=-1)  # [C, P] best first
         logprobs.extend(chosen.squeeze(1).tolist())
-        ranks.extend(((lp > chosen).sum(dim=1) + 1).tolist())
+        ranks.extend(_ranks(lp, chosen, values).tolist())
         if k:
-            values, ids = lp.topk(k, dim=-1)  # [C, k]
-            top.extend([list(zip(i, v, strict=True))
-                        for i, v in zip(ids.tolist(), values.tolist(), strict=True)])
+            top.extend([list(zip(i, v, strict=True)) for i, v in
+                        zip(ids[:, :k].tolist(), values[:, :k].tolist(), strict=True)])
         else:
             top.extend([] for _ in range(lp.shape[0]))
     return PromptLogprobs(start, logprobs, ranks, top)
+
+
+def _ranks(lp: torch.Tensor, chosen: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+    """1 + how many tokens are likelier than the chosen one, per row. lp [C, V], chosen
+    [C, 1], probe [C, P] the row's P largest: a token at least as likely as the P-th has
+    every likelier token among them; the others count over the whole row (exact either
+    way, one pass over the vocabulary saved for most rows)."""
+    ranks = (probe > chosen).sum(dim=1) + 1  # [C]
+    beyond = (chosen.squeeze(1) < probe[:, -1]).nonzero().squeeze(1)  # [R]
+    if beyond.numel():
+        ranks[beyond] = (lp[beyond] > chosen[beyond]).sum(dim=1) + 1
+    return ranks
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -103,7 +104,8 @@ async def _serve(
     streams = await submit_all(st.bridge, jobs)
     book = SampleBook(jobs)
     if stream:
-        return StreamingResponse(_sse(streams, book, api), media_type="text/event-stream")
+        return StreamingResponse(stream_events(streams, book, api),
+                                 media_type="text/event-stream")
     try:
         await until_disconnected(request, collect(streams, book))
     except ClientGone:
@@ -111,8 +113,18 @@ async def _serve(
     return json_response(api.response(book))
 
 
-async def _sse(
-    streams: list[RequestStream], book: SampleBook, api: _Completions | _Chat
+class StreamApi(Protocol):
+    """What a streamed response says before, per new output of a sample, and after."""
+
+    def opening(self, book: SampleBook) -> list[bytes]: ...
+
+    def chunk(self, book: SampleBook, k: int, new: list[StepOutput]) -> bytes | None: ...
+
+    def closing(self, book: SampleBook) -> bytes | None: ...
+
+
+async def stream_events(
+    streams: list[RequestStream], book: SampleBook, api: StreamApi
 ) -> AsyncIterator[bytes]:
     try:
         for opening in api.opening(book):
@@ -133,7 +145,7 @@ async def _sse(
     yield b"data: [DONE]\n\n"
 
 
-def _event(obj: object) -> bytes:
+def event(obj: object) -> bytes:
     return sse_event(msgspec.json.encode(obj))
 
 
@@ -220,13 +232,13 @@ class _Completions(_Api):
                 choice.prompt_token_ids = list(d.prompt_ids)
         choice.prompt_logprobs = self._prompt_logprobs(d)
         self.started.add(k)
-        return _event(CompletionResponse(self.id, self.created, self.st.model_name, [choice],
+        return event(CompletionResponse(self.id, self.created, self.st.model_name, [choice],
                                          d.weight_version, usage=self._usage_field()))
 
     def closing(self, book: SampleBook) -> bytes | None:
         if not self.include_usage:
             return None
-        return _event(CompletionResponse(self.id, self.created, self.st.model_name, [],
+        return event(CompletionResponse(self.id, self.created, self.st.model_name, [],
                                          latest_version(book), usage=usage(book)))
 
 
@@ -265,7 +277,7 @@ class _Chat(_Api):
                               self.st.bridge.weight_version, usage=self._usage_field())
             if self.token_ids and k == 0:
                 chunk.prompt_token_ids = list(book.jobs[0].prompt_ids)
-            chunks.append(_event(chunk))
+            chunks.append(event(chunk))
         return chunks
 
     def chunk(self, book: SampleBook, k: int, new: list[StepOutput]) -> bytes | None:
@@ -286,10 +298,10 @@ class _Chat(_Api):
                         usage=self._usage_field())
         if k == 0:
             out.prompt_logprobs = self._prompt_logprobs(d)
-        return _event(out)
+        return event(out)
 
     def closing(self, book: SampleBook) -> bytes | None:
         if not self.include_usage:
             return None
-        return _event(ChatChunk(self.id, self.created, self.st.model_name, [],
+        return event(ChatChunk(self.id, self.created, self.st.model_name, [],
                                 latest_version(book), usage=usage(book)))

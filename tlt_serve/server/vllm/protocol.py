@@ -9,7 +9,11 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from tlt_serve.server.openai.protocol import PromptLogprobsOut, PromptTokensDetails
+from tlt_serve.server.openai.protocol import (
+    PromptLogprobsOut,
+    PromptTokensDetails,
+    StreamOptions,
+)
 
 
 class VllmSamplingParams(Struct, forbid_unknown_fields=True):
@@ -60,6 +64,7 @@ class GenerateReq(Struct, forbid_unknown_fields=True):
     return_token_ids: bool | None = None
     output_mode: str = "tokens"
     stream: bool | None = False
+    stream_options: StreamOptions | None = None
     # Accepted only at these no-op values.
     priority: int = 0
     features: dict[str, Any] | None = None
@@ -69,7 +74,6 @@ class GenerateReq(Struct, forbid_unknown_fields=True):
 
 GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "output_mode": ("tokens",),
-    "stream": (None, False),
     "priority": (0,),
     "features": (None,),
     "content_parts": (None, []),
@@ -121,6 +125,25 @@ class GenerateOut(Struct):
     weight_version: str
     prompt_logprobs: PromptLogprobsOut | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class GenStreamChoice(Struct):
+    """A sample's new tokens (and their logprobs) since its previous chunk."""
+
+    index: int
+    finish_reason: str | None
+    stop_reason: int | str | None
+    token_ids: list[int]
+    logprobs: GenLogprobs | None
+    weight_versions: list[str] | UnsetType = UNSET  # on the sample's last chunk
+
+
+class GenStreamOut(Struct):
+    request_id: str
+    choices: list[GenStreamChoice]
+    usage: GenUsage | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobsOut | UnsetType = UNSET
 
 
 class UpdateWeightsReq(Struct, forbid_unknown_fields=True):

@@ -4,7 +4,9 @@
   (``cache_salt`` salts the prefix cache);
 - ``GET /get_world_size`` (one engine: 1), ``POST /reset_prefix_cache``;
 - ``POST /pause?mode=keep|abort``, ``POST /resume``, ``GET /is_paused``;
-- ``POST /update_weights`` with ``{weight_dir}`` (a checkpoint directory, as prime-rl sends).
+- ``POST /update_weights`` with ``{weight_dir}`` (a checkpoint directory, as prime-rl sends),
+  ``POST /reload_weights`` (back to the checkpoint the server started with);
+- ``GET /liveness``.
 
 vLLM's weight-transfer engine (``/init_weight_transfer_engine`` and ``/update_weights`` with
 ``update_info``: NCCL groups of vLLM's own) is not served: the torch.distributed routes
@@ -15,14 +17,15 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from tlt_serve.contract.controls import Continue, FlushCache, Pause, UpdateWeightsFromDisk
-from tlt_serve.engine.outputs import RequestResult
+from tlt_serve.engine.outputs import RequestResult, StepOutput
 from tlt_serve.sampling_params import ParamError, SamplingParams
 from tlt_serve.server.common.bridge import ControlRefused
-from tlt_serve.server.common.errors import decode_body
+from tlt_serve.server.common.errors import decode_body, error_response
 from tlt_serve.server.common.jobs import (
     ClientGone,
     Job,
@@ -39,8 +42,14 @@ from tlt_serve.server.common.jobs import (
 from tlt_serve.server.common.openapi import json_body
 from tlt_serve.server.common.state import ADMIN_TAG, ServerState, get_state, json_response
 from tlt_serve.server.control.routes import fresh_stats
-from tlt_serve.server.openai.format import LogprobFormatter, finish_str, stop_reason, usage
-from tlt_serve.server.openai.routes import check_model
+from tlt_serve.server.openai.format import (
+    LogprobFormatter,
+    finish_str,
+    merge_delta,
+    stop_reason,
+    usage,
+)
+from tlt_serve.server.openai.routes import check_model, event, stream_events
 from tlt_serve.server.vllm.protocol import (
     GENERATE_DEFAULT_ONLY,
     SAMPLING_DEFAULT_ONLY,
@@ -50,6 +59,8 @@ from tlt_serve.server.vllm.protocol import (
     GenLogprob,
     GenLogprobs,
     GenLogprobsContent,
+    GenStreamChoice,
+    GenStreamOut,
     GenUsage,
     UpdateWeightsReq,
 )
@@ -76,11 +87,21 @@ def vllm_routes() -> APIRouter:
         job = _job(st, req)
         streams = await submit_all(st.bridge, [job])
         book = SampleBook([job])
+        if req.stream:
+            return StreamingResponse(stream_events(streams, book, _TokenStream(st, req, job)),
+                                     media_type="text/event-stream")
         try:
             await until_disconnected(request, collect(streams, book))
         except ClientGone:
             return Response(status_code=499)
         return json_response(_response(st, req, book))
+
+    @router.get("/liveness")
+    async def liveness(request: Request) -> Response:
+        bridge = get_state(request).bridge
+        if bridge.alive and not bridge.closing:
+            return json_response({"status": "alive"})
+        return error_response(503, f"engine is not running: {bridge.dead_reason or 'stopping'}")
 
     @router.get("/get_world_size")
     async def world_size() -> Response:
@@ -125,14 +146,23 @@ def vllm_routes() -> APIRouter:
                              "/update_weights_from_distributed, or a directory as weight_dir")
         if not req.weight_dir:
             raise ParamError("weight_dir", "give the checkpoint directory to load")
-        try:
-            done = await st.bridge.call(UpdateWeightsFromDisk(req.weight_dir))
-        except ControlRefused as err:
-            raise ParamError("weight_dir", str(err)) from err
-        return json_response({"message": "Weights updated",
-                              "weight_version": done.weight_version})
+        return await _load(st, req.weight_dir, "weight_dir")
+
+    @router.post("/reload_weights", tags=[ADMIN_TAG])
+    async def reload_weights(request: Request) -> Response:
+        """The weights the server started with (prime-rl: back to the base model)."""
+        st = get_state(request)
+        return await _load(st, st.info.model_path, "model")
 
     return router
+
+
+async def _load(st: ServerState, path: str, field: str) -> Response:
+    try:
+        done = await st.bridge.call(UpdateWeightsFromDisk(path))
+    except ControlRefused as err:
+        raise ParamError(field, str(err)) from err
+    return json_response({"message": "Weights updated", "weight_version": done.weight_version})
 
 
 def _job(st: ServerState, req: GenerateReq) -> Job:
@@ -167,14 +197,10 @@ def _response(st: ServerState, req: GenerateReq, book: SampleBook) -> GenerateOu
     choices = [GenChoice(k, finish_str(r.finish), stop_reason(r.finish, params, eos),
                          list(r.token_ids), _logprobs(r, params), list(r.weight_versions))
                for k, r in enumerate(book.samples)]
-    u = usage(book)
-    assert u.prompt_tokens_details is not None  # usage() always counts cached tokens
     first = book.samples[0]
     out = GenerateOut(
         request_id=book.jobs[0].rid, model=st.model_name, created=int(time.time()),
-        choices=choices, weight_version=first.weight_version,
-        usage=GenUsage(u.prompt_tokens, u.completion_tokens, u.total_tokens,
-                       u.prompt_tokens_details),
+        choices=choices, weight_version=first.weight_version, usage=_usage(book),
     )
     if first.prompt_logprobs is not None:
         out.prompt_logprobs = lp.prompt_logprobs(first.prompt_ids, first.prompt_logprobs,
@@ -182,6 +208,50 @@ def _response(st: ServerState, req: GenerateReq, book: SampleBook) -> GenerateOu
     if req.return_token_ids:
         out.prompt_token_ids = list(first.prompt_ids)
     return out
+
+
+class _TokenStream:
+    """``/inference/v1/generate`` streamed: per chunk each sample's new tokens."""
+
+    def __init__(self, st: ServerState, req: GenerateReq, job: Job) -> None:
+        self.st, self.req, self.job = st, req, job
+        self.started = False
+        opts = req.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+
+    def opening(self, book: SampleBook) -> list[bytes]:
+        return []
+
+    def chunk(self, book: SampleBook, k: int, new: list[StepOutput]) -> bytes | None:
+        d, params = merge_delta(new), self.job.params
+        choice = GenStreamChoice(k, finish_str(d.finish),
+                                 stop_reason(d.finish, params, self.st.tokenizer.eos_ids),
+                                 list(d.token_ids), _logprobs(d, params))
+        if d.finish is not None:
+            choice.weight_versions = list(book.samples[k].weight_versions)
+        out = GenStreamOut(self.job.rid, [choice],
+                           usage=None if self.include_usage else msgspec.UNSET)
+        if not self.started:
+            self.started = True
+            if self.req.return_token_ids:
+                out.prompt_token_ids = list(self.job.prompt_ids)
+        if d.prompt_logprobs is not None:
+            lp = LogprobFormatter(self.st.tokenizer)
+            out.prompt_logprobs = lp.prompt_logprobs(self.job.prompt_ids, d.prompt_logprobs,
+                                                     params.prompt_logprobs)
+        return event(out)
+
+    def closing(self, book: SampleBook) -> bytes | None:
+        if not self.include_usage:
+            return None
+        return event(GenStreamOut(self.job.rid, [], usage=_usage(book)))
+
+
+def _usage(book: SampleBook) -> GenUsage:
+    u = usage(book)
+    assert u.prompt_tokens_details is not None  # usage() always counts cached tokens
+    return GenUsage(u.prompt_tokens, u.completion_tokens, u.total_tokens,
+                    u.prompt_tokens_details)
 
 
 def _logprobs(r: RequestResult, params: SamplingParams) -> GenLogprobs | None:
