@@ -277,7 +277,8 @@ def test_n_samples_seeds_and_openai(plain: Served, prompts) -> None:
 def test_pause_modes_and_abort_on_vllm(plain: Served, prompts) -> None:
     """``in_place`` keeps a running request, which goes on after ``/continue_generation`` to
     the answer it would have given unpaused; ``abort`` ends it at once (before any continue)
-    with finish reason abort and the tokens it had, as an abort by rid does."""
+    with finish reason abort and the tokens it had, as an abort by rid does; vLLM's
+    ``/pause?mode=wait`` lets it finish whole before the pause holds."""
     body = {"input_ids": prompts[0], "sampling_params": greedy(200)}
     with plain.http(timeout=300) as http, ThreadPoolExecutor(1) as pool:
         whole = http.post("/generate", json=body).json()["output_ids"]
@@ -306,6 +307,13 @@ def test_pause_modes_and_abort_on_vllm(plain: Served, prompts) -> None:
         by_rid = started("long")
         assert http.post("/abort_request", json={"rid": "long"}).status_code == 200
         partials.append(by_rid.result(timeout=120).json())
+        drained = started("drained")  # vLLM's wait: it finishes whole, then the pause holds
+        assert http.post("/pause", params={"mode": "wait"}).status_code == 200
+        try:
+            assert http.get("/is_paused").json() == {"is_paused": True}
+            assert drained.result(timeout=120).json()["output_ids"] == whole
+        finally:
+            assert http.post("/resume").status_code == 200
     for out in partials:
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
         n = len(out["output_ids"])

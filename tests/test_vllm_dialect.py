@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.harness import sse_events
+from tests.harness import sse_events, wait_for
 
 PROMPT = [5, 9, 23, 41, 7, 7, 100, 3]
 
@@ -92,8 +92,28 @@ def test_pause_keep_holds_requests_until_resume(http) -> None:
         out = held.result(timeout=120)
     assert http.get("/is_paused").json() == {"is_paused": False}
     assert len(out["choices"][0]["token_ids"]) == 40
-    bad = http.post("/pause", params={"mode": "wait"})
+    bad = http.post("/pause", params={"mode": "retract"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
+
+
+def test_pause_wait_lets_running_requests_finish_and_holds_new_ones(http) -> None:
+    """``wait``: the answer comes once what runs has finished (whole, not frozen or cut);
+    a request sent meanwhile waits for ``/resume``."""
+    sp = {"max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(gen, http, sampling_params=sp)
+        wait_for(lambda: http.get("/get_server_info").json()["stats"]["running"] > 0
+                 or running.done(), timeout=30)
+        r = http.post("/pause", params={"mode": "wait"})
+        assert r.status_code == 200 and r.json() == {"status": "paused"}
+        # Not frozen (it would wait for /resume) nor cut: it ends, whole, while paused.
+        assert len(running.result(timeout=60)["choices"][0]["token_ids"]) == 160
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        held = pool.submit(gen, http, sampling_params={**sp, "max_tokens": 4})
+        time.sleep(0.5)
+        assert not held.done()
+        assert http.post("/resume").json() == {"status": "resumed"}
+        assert len(held.result(timeout=120)["choices"][0]["token_ids"]) == 4
 
 
 def test_update_weights_from_a_directory_serves_them(http, tiny_model_factory) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 from tlt_serve.contract.reports import EngineInfo, StatsSnapshot
 
 R = TypeVar("R", covariant=True)
-PAUSE_MODES = ("abort", "in_place")
+PAUSE_MODES = ("abort", "in_place", "drain")
 DEFAULT_GROUP = "weight_update_group"  # the label of an engine's (single) weight-sync group
 MAX_TAKE_BYTES = 256 << 20  # one TakeSamples reply at most (the pipe holds it whole)
 
@@ -137,7 +137,9 @@ class GetStats(ControlOp[StatsSnapshot]):
 @dataclass(frozen=True)
 class Pause(ControlOp[Paused]):
     """``abort``: running requests end now with their partial output; ``in_place``: they stay,
-    frozen, and go on after ``Continue`` with the KV they have."""
+    frozen, and go on after ``Continue`` with the KV they have; ``drain``: nothing new is
+    admitted, the running ones finish, then the engine is paused (``paused`` in its stats:
+    the reply may come first)."""
 
     mode: str = "abort"
 

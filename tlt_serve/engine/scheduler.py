@@ -86,6 +86,7 @@ class Scheduler:
         self.keep, self.kept = keep, kept
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.admitting = True  # False: a drain; the waiting ones wait, the running ones run
 
     # ---- admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -100,7 +101,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        prefill = self._schedule_prefill() if self.admitting else None
+        return prefill or self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         forward: list[Request] = []

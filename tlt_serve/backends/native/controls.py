@@ -127,11 +127,22 @@ class NativeControls:
             raise ControlError(f"mode: must be one of {PAUSE_MODES}, got {op.mode!r}", "mode")
         if op.mode == "abort":
             self.abort_all()
-        self.paused = True
+        if op.mode == "drain":
+            self.engine.scheduler.admitting = False
+            self.settle()
+        else:
+            self.paused = True
         return Paused(op.mode)
+
+    def settle(self) -> None:
+        """A drain is over once nothing runs: the engine is paused from then on."""
+        sched = self.engine.scheduler
+        if not sched.admitting and not sched.running:
+            self.paused = True
 
     def resume(self, op: Continue) -> Done:
         self.paused = False
+        self.engine.scheduler.admitting = True
         return Done()
 
     def flush_cache(self, op: FlushCache) -> Done:

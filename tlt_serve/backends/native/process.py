@@ -127,6 +127,7 @@ class NativeLoop:
         outbox.flush(force_stats=True)
 
     def _can_step(self) -> bool:
+        self.controls.settle()
         return not self.controls.paused and self.engine.has_work()
 
     def _drain(self, timeout: float) -> None:

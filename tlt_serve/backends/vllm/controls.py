@@ -48,7 +48,7 @@ from tlt_serve.contract.controls import (
 )
 from tlt_serve.contract.reports import EngineInfo, StatsSnapshot
 
-VLLM_PAUSE_MODES = dict(zip(PAUSE_MODES, ("abort", "keep"), strict=True))  # ours → vLLM's
+VLLM_PAUSE_MODES = dict(zip(PAUSE_MODES, ("abort", "keep", "wait"), strict=True))  # → vLLM's
 
 
 class VllmControls:

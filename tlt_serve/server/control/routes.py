@@ -31,6 +31,7 @@ from tlt_serve.server.control.protocol import (
 )
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+DRAIN_POLL_S = 0.05
 STATS_TIMEOUT_S = 5.0
 
 
@@ -131,7 +132,7 @@ def control_routes() -> APIRouter:
         req = decode_body(await request.body(), PauseReq)
         if req.mode not in PAUSE_MODES:
             raise ParamError("mode", f"must be one of {PAUSE_MODES}, got {req.mode!r}")
-        await st.bridge.call(Pause(req.mode))
+        await paused(st, req.mode)
         return json_response({"status": "ok", "message": f"generation paused ({req.mode})"})
 
     @router.post("/continue_generation", tags=[ADMIN_TAG])
@@ -188,6 +189,13 @@ def control_routes() -> APIRouter:
         return Response(render_metrics(stats, view), media_type=CONTENT_TYPE)
 
     return router
+
+
+async def paused(st: ServerState, mode: str) -> None:
+    """Pause the engine; a drain returns once the running requests have finished."""
+    await st.bridge.call(Pause(mode))
+    while mode == "drain" and not (await fresh_stats(st)).paused:
+        await asyncio.sleep(DRAIN_POLL_S)
 
 
 async def fresh_stats(st: ServerState) -> StatsSnapshot:

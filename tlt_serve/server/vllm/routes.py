@@ -3,7 +3,7 @@
 - ``POST /inference/v1/generate``: token ids in, token ids, logprobs and prompt logprobs out
   (``cache_salt`` salts the prefix cache);
 - ``GET /get_world_size`` (one engine: 1), ``POST /reset_prefix_cache``;
-- ``POST /pause?mode=keep|abort``, ``POST /resume``, ``GET /is_paused``;
+- ``POST /pause?mode=keep|abort|wait``, ``POST /resume``, ``GET /is_paused``;
 - ``POST /update_weights`` with ``{weight_dir}`` (a checkpoint directory, as prime-rl sends),
   ``POST /reload_weights`` (back to the checkpoint the server started with);
 - ``GET /liveness``.
@@ -21,7 +21,7 @@ import msgspec
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from tlt_serve.contract.controls import Continue, FlushCache, Pause, UpdateWeightsFromDisk
+from tlt_serve.contract.controls import Continue, FlushCache, UpdateWeightsFromDisk
 from tlt_serve.engine.outputs import RequestResult, StepOutput
 from tlt_serve.sampling_params import ParamError, SamplingParams
 from tlt_serve.server.common.bridge import ControlRefused
@@ -41,7 +41,7 @@ from tlt_serve.server.common.jobs import (
 )
 from tlt_serve.server.common.openapi import json_body
 from tlt_serve.server.common.state import ADMIN_TAG, ServerState, get_state, json_response
-from tlt_serve.server.control.routes import fresh_stats
+from tlt_serve.server.control.routes import fresh_stats, paused
 from tlt_serve.server.openai.format import (
     LogprobFormatter,
     finish_str,
@@ -65,7 +65,7 @@ from tlt_serve.server.vllm.protocol import (
     UpdateWeightsReq,
 )
 
-PAUSE_MODES = {"keep": "in_place", "abort": "abort"}  # vLLM's → ours
+PAUSE_MODES = {"keep": "in_place", "abort": "abort", "wait": "drain"}  # vLLM's → ours
 _FIELDS = {  # SamplingParams field → the name in this body (error messages)
     "max_new_tokens": "sampling_params.max_tokens",
     "top_logprobs": "sampling_params.logprobs",
@@ -120,11 +120,12 @@ def vllm_routes() -> APIRouter:
     async def pause(request: Request, mode: str = Query("abort"),
                     clear_cache: bool = Query(True)) -> Response:
         """``keep``: running requests freeze and go on after ``/resume`` with their KV;
-        ``abort``: they end now with their partial output. ``clear_cache`` is vLLM's
-        deprecated flag: a weight update empties the prefix cache anyway."""
+        ``abort``: they end now with their partial output; ``wait``: they finish (nothing
+        new starts), then the answer comes. ``clear_cache`` is vLLM's deprecated flag: a
+        weight update empties the prefix cache anyway."""
         if mode not in PAUSE_MODES:
             raise ParamError("mode", f"must be one of {sorted(PAUSE_MODES)}, got {mode!r}")
-        await get_state(request).bridge.call(Pause(PAUSE_MODES[mode]))
+        await paused(get_state(request), PAUSE_MODES[mode])
         return json_response({"status": "paused"})
 
     @router.post("/resume", tags=[ADMIN_TAG])
