@@ -1,4 +1,5 @@
-"""AReaL's own rollout client (areal 1.0.4, ``RemoteSGLangEngine``) driven against tlt-serve,
+"""AReaL's own rollout client (areal 1.0.4, ``RemoteSGLangEngine``: generation, weight updates,
+``compute_logp``) driven against tlt-serve,
 in a process of its own: importing areal sets ``OPENAI_API_KEY``/``OPENAI_BASE_URL`` and
 replaces the logging module's root logger (``disable_existing_loggers``) for the whole
 process, which must not leak into the other test modules. ``tests/test_areal.py`` runs it.
@@ -9,7 +10,9 @@ SPEC: ``gen_addrs`` (host:port the engine generates through: a replica or a rout
 ``replicas`` (host:port of every replica: weight updates go to each, as AReaL sends them),
 ``prompts`` (token id lists), ``max_new_tokens``, ``long_prompt``/``long_new_tokens`` (the
 request caught in flight by the update), ``new_checkpoint`` (the "trainer's" new weights),
-``workdir``. OUT: what AReaL built and got back (see ``main``). Exit code 3: areal (or a
+``workdir``, ``vllm_client`` (also run AReaL's vLLM client, ``RemotevLLMEngine``: generation
+through ``/v1/completions``, ``compute_logp`` through ``echo`` + ``prompt_logprobs``). OUT:
+what AReaL built and got back (see ``main``). Exit code 3: areal (or a
 package it imports) is missing.
 
 The weight update is the sequence AReaL 1.0.4's trainer runs (``PPOTrainer``'s step, then
@@ -48,6 +51,7 @@ def main(spec_path: str, out_path: str) -> int:
         )
         from areal.api.io_struct import ModelRequest, WeightUpdateMeta
         from areal.engine.sglang_remote import RemoteSGLangEngine, SGLangBackend
+        from areal.engine.vllm_remote import RemotevLLMEngine
         from areal.utils import name_resolve, names
     except ImportError as err:
         print(f"areal is not importable: {err!r}", file=sys.stderr)
@@ -59,12 +63,12 @@ def main(spec_path: str, out_path: str) -> int:
         NameResolveConfig(type="nfs", nfs_record_root=str(work / "name_resolve"))
     )
 
-    def engine(addrs: list[str]) -> Any:
+    def engine(addrs: list[str], kind: str = "sglang") -> Any:
         config = InferenceEngineConfig(
-            backend="sglang:d1", experiment_name=EXPERIMENT, trial_name=TRIAL,
+            backend=f"{kind}:d1", experiment_name=EXPERIMENT, trial_name=TRIAL,
             setup_timeout=60, request_timeout=120, request_retries=2,
         )
-        eng = RemoteSGLangEngine(config)
+        eng = (RemoteSGLangEngine if kind == "sglang" else RemotevLLMEngine)(config)
         eng.initialize(addr=addrs)
         return eng
 
@@ -123,11 +127,38 @@ def main(spec_path: str, out_path: str) -> int:
             time.sleep(0.05)
         out["update_path_exists"] = Path(meta.path).exists()
         out["after"] = [generate(gen, request(p, n, greedy=True)) for p in spec["prompts"]]
+        out["recomputed"] = recompute(gen, spec["prompts"], out["after"])
+        if spec.get("vllm_client"):  # AReaL's vLLM client against the same server
+            vllm = engine(spec["gen_addrs"], "vllm")
+            engines.append(vllm)
+            out["vllm_after"] = [generate(vllm, request(p, n, greedy=True))
+                                 for p in spec["prompts"]]
+            out["vllm_recomputed"] = recompute(vllm, spec["prompts"], out["vllm_after"])
     finally:
         for eng in engines:
             eng.destroy()
     Path(out_path).write_text(json.dumps(out))
     return 0
+
+
+def recompute(eng: Any, prompts: list[list[int]], samples: list[dict[str, Any]]
+              ) -> list[list[float]]:
+    """AReaL's ``compute_logp`` (the trainer's proximal / reference logprobs) over the
+    rollout it just generated: each sequence prompt + completion, the completion masked in,
+    one padded batch; the completion's logprobs come back per sequence."""
+    import torch
+
+    seqs = [p + s["tokens"] for p, s in zip(prompts, samples, strict=True)]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    attn = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, (p, seq) in enumerate(zip(prompts, seqs, strict=True)):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attn[i, : len(seq)] = 1
+        mask[i, len(p) : len(seq)] = 1
+    (logp,) = eng.compute_logp([{"input_ids": ids, "loss_mask": mask, "attention_mask": attn}])
+    return [logp[i, mask[i].bool()].tolist() for i in range(len(seqs))]
 
 
 def hold_in_flight(replicas: list[str], start: Any) -> Future[Any]:

@@ -2,8 +2,9 @@
 against one tlt-serve replica and against sglang-router in front of two: ``agenerate`` with
 logprobs, then AReaL's disk weight update (``update_weights_from_disk``) with a rollout
 caught in flight, after which every replica reports the new version and serves the new
-weights. AReaL runs in a process of its own (``tests/areal_driver.py`` says why and what
-it does); this module checks what it got against servers started here.
+weights, and ``compute_logp`` recomputes the new rollout's logprobs. AReaL runs in a
+process of its own (``tests/areal_driver.py`` says why and what it does); this module checks
+what it got against servers started here.
 
 Needs areal (``bash scripts/install.sh --areal``) and, for the fleet, sglang-router; skipped
 without them, except where ``TLT_REQUIRE_AREAL=1`` makes the absence of either a failure.
@@ -89,11 +90,11 @@ def fleet(tiny_model_dir: Path) -> Iterator[str]:
 
 
 def run_areal(gen_addrs: list[str], replicas: list[str], new_weights: Path,
-              tmp_path: Path) -> dict[str, Any]:
+              tmp_path: Path, vllm_client: bool = False) -> dict[str, Any]:
     spec = {"gen_addrs": gen_addrs, "replicas": replicas, "prompts": PROMPTS,
             "max_new_tokens": NEW_TOKENS, "long_prompt": LONG_PROMPT,
             "long_new_tokens": LONG_TOKENS, "new_checkpoint": str(new_weights),
-            "workdir": str(tmp_path)}
+            "workdir": str(tmp_path), "vllm_client": vllm_client}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     out = tmp_path / "out.json"
     r = subprocess.run([sys.executable, "-m", "tests.areal_driver", str(tmp_path / "spec.json"),
@@ -181,12 +182,24 @@ def check_run(out: dict[str, Any], old_url: str, new_url: str, replicas: list[st
             same(s, greedy(r, prompt, NEW_TOKENS))
     assert [s["tokens"] for s in out["after"]] != [s["tokens"] for s in out["before"]]
 
+    # compute_logp over that rollout (prompt logprobs through logprob_start_len): the
+    # logprobs the rollout reported (greedy: the raw distribution's), recomputed.
+    for s, recomputed in zip(out["after"], out["recomputed"], strict=True):
+        assert recomputed == pytest.approx(s["logprobs"], abs=1e-4)
+
 
 def test_areal_drives_one_replica(replica: Served, served: Served, new_ref: Served,
                                   new_weights: Path, tmp_path: Path) -> None:
     addr = replica.base_url.removeprefix("http://")
-    out = run_areal([addr], [addr], new_weights, tmp_path)
+    out = run_areal([addr], [addr], new_weights, tmp_path, vllm_client=True)
     check_run(out, served.base_url, new_ref.base_url, [replica.base_url], new_weights)
+    # AReaL's vLLM client on the same server: its completions and its compute_logp (echo +
+    # prompt_logprobs) give what its SGLang client got.
+    for s, v, recomputed in zip(out["after"], out["vllm_after"], out["vllm_recomputed"],
+                                strict=True):
+        assert v["tokens"] == s["tokens"]  # (versions: that client's own counter, never set)
+        assert v["logprobs"] == pytest.approx(s["logprobs"], abs=1e-4)
+        assert recomputed == pytest.approx(s["logprobs"], abs=1e-4)
 
 
 def test_areal_through_sglang_router(fleet: str, served: Served, new_ref: Served,

@@ -43,6 +43,7 @@ class CommonReq(Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_logprobs: int | None = None  # each prompt token's logprob, with this many top ones
     cache_salt: str | None = None  # cached prefixes are shared only under the same salt
     repetition_penalty: float | None = None
+    use_beam_search: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
@@ -56,6 +57,7 @@ COMMON_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0.0),
     "logit_bias": (None, {}),
     "repetition_penalty": (None, 1.0),
+    "use_beam_search": (False,),
     "min_tokens": (0,),
     "return_hidden_states": (False,),
 }
