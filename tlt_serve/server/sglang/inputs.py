@@ -39,7 +39,7 @@ def generate_jobs(req: GenerateReq, tok: Tokenizer, info: EngineInfo) -> tuple[l
     jobs = []
     for i, ids in enumerate(prompts):
         check_prompt(ids, info, f"{field}[{i}]" if batch else field)
-        params = _sgl_params(sps[i], logprob[i], top_n[i], _start(starts[i], len(ids)))
+        params = _sgl_params(sps[i], logprob[i], top_n[i], _start(starts[i]))
         check_scoring(params, len(ids), _SGL_FIELD_NAMES)
         jobs.append(Job(rids[i], ids, params))
     single = not batch and jobs[0].params.n == 1
@@ -63,10 +63,13 @@ def _native_prompts(req: GenerateReq, tok: Tokenizer) -> tuple[list[list[int]], 
     raise ParamError("input_ids", "must be a list of token ids or a list of such lists")
 
 
-def _start(start: int, length: int) -> int:
+def _start(start: int) -> int:
+    """-1 (the default): no prompt token is scored. SGLang would score the last one; that
+    costs nothing natively, but vLLM computes prompt logprobs for a whole prompt and reads no
+    cached prefix for them, so every ``return_logprob`` request would pay both there."""
     if start < -1:
         raise ParamError("logprob_start_len", f"must be >= -1, got {start}")
-    return length - 1 if start == -1 else start
+    return start
 
 
 def _per_prompt(value: Any, count: int, field: str, default: Any) -> list[Any]:
@@ -119,6 +122,6 @@ def _sgl_params(sp: SglSamplingParams, logprob: bool, top_n: int, start: int) ->
         seed=sp.sampling_seed,
         logprobs=logprob,
         top_logprobs=top_n if logprob else 0,
-        prompt_logprobs=top_n if logprob else -1,
-        prompt_logprobs_start=start if logprob else 0,
+        prompt_logprobs=top_n if logprob and start >= 0 else -1,
+        prompt_logprobs_start=max(start, 0),
     )

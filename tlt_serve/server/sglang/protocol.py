@@ -64,8 +64,7 @@ class GenerateReq(Struct, forbid_unknown_fields=True):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
-    # With return_logprob: the first prompt position whose logprob is returned (-1: the
-    # last prompt token only, as SGLang).
+    # With return_logprob: the first prompt position whose logprob is returned (-1: none).
     logprob_start_len: int | list[int] = -1
     # Accepted only at these no-op values.
     return_hidden_states: bool = False
