@@ -563,9 +563,10 @@ def test_capture_feeds_the_online_trainer_which_vllm_then_serves(
     try:
         before = generate(s, prompts, LENGTHS)
         with s.http(timeout=300) as http:
-            for _ in range(2):
+            for r in range(2):  # seeded: the trainer's data, and so its verdict, repeat
                 http.post("/generate", json={"input_ids": prompts, "sampling_params": {
-                    "max_new_tokens": 32, "temperature": 1.0, "n": 2, "ignore_eos": True}})
+                    "max_new_tokens": 32, "temperature": 1.0, "n": 2, "ignore_eos": True,
+                    "sampling_seed": 1000 * r}})
             blob = wait_for(lambda: (r := http.get("/drafter/samples")).headers["x-count"] != "0"
                             and r.content, timeout=30)
         samples = decode_samples(blob)
