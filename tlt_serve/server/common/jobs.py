@@ -97,12 +97,6 @@ def make_params(rename: Mapping[str, str], **kwargs: Any) -> SamplingParams:
         return SamplingParams(**kwargs)
 
 
-def check_scoring(params: SamplingParams, prompt_len: int, rename: Mapping[str, str]) -> None:
-    """A scoring start inside the prompt, named as the API names it."""
-    with api_names(rename):
-        params.check_prompt(prompt_len)
-
-
 def sse_event(payload: bytes) -> bytes:
     """One SSE ``data:`` event of a JSON payload, on one line for every reader: generated
     text may hold U+0085 / U+2028 / U+2029, which JSON keeps raw but line readers split at

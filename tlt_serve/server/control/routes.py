@@ -40,10 +40,7 @@ def control_routes() -> APIRouter:
 
     @router.get("/health")
     async def health(request: Request) -> Response:
-        bridge = get_state(request).bridge
-        if bridge.alive and not bridge.closing:
-            return json_response({"status": "ok"})
-        return error_response(503, f"engine is not running: {bridge.dead_reason or 'stopping'}")
+        return engine_down(get_state(request)) or json_response({"status": "ok"})
 
     @router.get("/health_generate")
     async def health_generate(request: Request) -> Response:
@@ -189,6 +186,14 @@ def control_routes() -> APIRouter:
         return Response(render_metrics(stats, view), media_type=CONTENT_TYPE)
 
     return router
+
+
+def engine_down(st: ServerState) -> Response | None:
+    """A 503 naming why, while the engine is not running (or stopping); else None."""
+    bridge = st.bridge
+    if bridge.alive and not bridge.closing:
+        return None
+    return error_response(503, f"engine is not running: {bridge.dead_reason or 'stopping'}")
 
 
 async def paused(st: ServerState, mode: str) -> None:

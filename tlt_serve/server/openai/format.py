@@ -108,23 +108,17 @@ class LogprobFormatter:
         values: list[float | None] = list(lps)
         return CompletionLogprobs(texts, values, top, offsets), offset
 
-    def echoed(self, prompt: list[int], scored: PromptLogprobs, k: int,
-               then: CompletionLogprobs | None) -> tuple[CompletionLogprobs, int]:
-        """An echoed prompt's logprobs (its first token has none), ``then`` the
-        completion's after it; returns them and the offset after the prompt's text."""
-        lps = list(scored.logprobs)
-        firsts = [lp is None for lp in lps]
-        out, offset = self.completion(prompt, [0.0 if lp is None else lp for lp in lps],
-                                      [top[:k] for top in scored.top], 0)
-        out.token_logprobs = lps
-        out.top_logprobs = [None if first else entry
-                            for first, entry in zip(firsts, out.top_logprobs or [], strict=True)]
-        if then is not None:
-            out.tokens += then.tokens
-            out.token_logprobs += then.token_logprobs
-            out.top_logprobs += then.top_logprobs or []
-            out.text_offset += [offset + o for o in then.text_offset]
-        return out, offset
+    def echoed(self, prompt: list[int], scored: PromptLogprobs,
+               k: int) -> tuple[CompletionLogprobs, int]:
+        """An echoed prompt's logprobs (a position without one, the first: None) and the
+        offset after its text."""
+        out, end = self.completion(prompt[scored.start :],
+                                   [0.0 if lp is None else lp for lp in scored.logprobs],
+                                   [top[:k] for top in scored.top], 0)
+        out.token_logprobs = list(scored.logprobs)
+        out.top_logprobs = [None if lp is None else entry for lp, entry in
+                            zip(scored.logprobs, out.top_logprobs or [], strict=True)]
+        return out, end
 
     def prompt_logprobs(self, prompt: list[int], scored: PromptLogprobs,
                         k: int) -> PromptLogprobsOut:
@@ -159,6 +153,14 @@ class LogprobFormatter:
                     top.append(TopLogprob(t_text, t_lp, list(t_text.encode())))
             content.append(TokenLogprob(text, lp, list(text.encode()), top))
         return ChatLogprobs(content)
+
+
+def joined(head: CompletionLogprobs, tail: CompletionLogprobs) -> CompletionLogprobs:
+    """Two runs of completion logprobs as one (``tail``'s offsets already absolute)."""
+    return CompletionLogprobs(head.tokens + tail.tokens,
+                              head.token_logprobs + tail.token_logprobs,
+                              (head.top_logprobs or []) + (tail.top_logprobs or []),
+                              head.text_offset + tail.text_offset)
 
 
 def merge_delta(outs: list[StepOutput]) -> RequestResult:

@@ -31,6 +31,7 @@ from tlt_serve.server.common.streams import RequestStream
 from tlt_serve.server.openai.format import (
     LogprobFormatter,
     finish_str,
+    joined,
     latest_version,
     merge_delta,
     stop_reason,
@@ -167,7 +168,6 @@ class _Api:
     def _usage_field(self) -> None | msgspec.UnsetType:
         return None if self.include_usage else msgspec.UNSET
 
-
     def _prompt_logprobs(self, r: RequestResult) -> PromptLogprobsOut | msgspec.UnsetType:
         if self.prompt_top is None or r.prompt_logprobs is None:
             return msgspec.UNSET
@@ -189,14 +189,11 @@ class _Completions(_Api):
         params = book.job(k).params
         if not params.logprobs:
             return None, offset
+        head = None
         if self.echo and r.prompt_logprobs is not None:
-            prompt_end = self.lp.echoed(r.prompt_ids, r.prompt_logprobs, params.top_logprobs,
-                                        None)[1]
-            offset = max(offset, prompt_end)
+            head, offset = self.lp.echoed(r.prompt_ids, r.prompt_logprobs, params.top_logprobs)
         out, end = self.lp.completion(r.token_ids, r.logprobs, r.top_logprobs, offset)
-        if self.echo and r.prompt_logprobs is not None:
-            out = self.lp.echoed(r.prompt_ids, r.prompt_logprobs, params.top_logprobs, out)[0]
-        return out, end
+        return (out if head is None else joined(head, out)), end
 
     def response(self, book: SampleBook) -> CompletionResponse:
         choices = []

@@ -12,8 +12,8 @@ from tlt_serve.models.tokenizer import Tokenizer
 from tlt_serve.sampling_params import ParamError, SamplingParams
 from tlt_serve.server.common.jobs import (
     Job,
+    api_names,
     check_prompt,
-    check_scoring,
     make_params,
     new_rid,
     require_defaults,
@@ -40,7 +40,8 @@ def generate_jobs(req: GenerateReq, tok: Tokenizer, info: EngineInfo) -> tuple[l
     for i, ids in enumerate(prompts):
         check_prompt(ids, info, f"{field}[{i}]" if batch else field)
         params = _sgl_params(sps[i], logprob[i], top_n[i], _start(starts[i]))
-        check_scoring(params, len(ids), _SGL_FIELD_NAMES)
+        with api_names(_SGL_FIELD_NAMES):  # a scoring start inside the prompt
+            params.check_prompt(len(ids))
         jobs.append(Job(rids[i], ids, params))
     single = not batch and jobs[0].params.n == 1
     return jobs, single

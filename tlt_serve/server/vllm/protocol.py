@@ -9,11 +9,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from tlt_serve.server.openai.protocol import (
-    PromptLogprobsOut,
-    PromptTokensDetails,
-    StreamOptions,
-)
+from tlt_serve.server.openai.protocol import PromptLogprobsOut, StreamOptions, Usage
 
 
 class VllmSamplingParams(Struct, forbid_unknown_fields=True):
@@ -109,19 +105,12 @@ class GenChoice(Struct):
     weight_versions: list[str]  # every weight version a step of this sample ran under
 
 
-class GenUsage(Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
 class GenerateOut(Struct):
     request_id: str
     model: str
     created: int
     choices: list[GenChoice]
-    usage: GenUsage
+    usage: Usage
     weight_version: str
     prompt_logprobs: PromptLogprobsOut | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
@@ -141,7 +130,7 @@ class GenStreamChoice(Struct):
 class GenStreamOut(Struct):
     request_id: str
     choices: list[GenStreamChoice]
-    usage: GenUsage | None | UnsetType = UNSET
+    usage: Usage | None | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET
     prompt_logprobs: PromptLogprobsOut | UnsetType = UNSET
 

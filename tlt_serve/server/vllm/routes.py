@@ -25,13 +25,12 @@ from tlt_serve.contract.controls import Continue, FlushCache, UpdateWeightsFromD
 from tlt_serve.engine.outputs import RequestResult, StepOutput
 from tlt_serve.sampling_params import ParamError, SamplingParams
 from tlt_serve.server.common.bridge import ControlRefused
-from tlt_serve.server.common.errors import decode_body, error_response
+from tlt_serve.server.common.errors import decode_body
 from tlt_serve.server.common.jobs import (
     ClientGone,
     Job,
     SampleBook,
     check_prompt,
-    check_scoring,
     collect,
     make_params,
     new_rid,
@@ -41,7 +40,7 @@ from tlt_serve.server.common.jobs import (
 )
 from tlt_serve.server.common.openapi import json_body
 from tlt_serve.server.common.state import ADMIN_TAG, ServerState, get_state, json_response
-from tlt_serve.server.control.routes import fresh_stats, paused
+from tlt_serve.server.control.routes import engine_down, fresh_stats, paused
 from tlt_serve.server.openai.format import (
     LogprobFormatter,
     finish_str,
@@ -61,7 +60,6 @@ from tlt_serve.server.vllm.protocol import (
     GenLogprobsContent,
     GenStreamChoice,
     GenStreamOut,
-    GenUsage,
     UpdateWeightsReq,
 )
 
@@ -69,7 +67,6 @@ PAUSE_MODES = {"keep": "in_place", "abort": "abort", "wait": "drain"}  # vLLM's 
 _FIELDS = {  # SamplingParams field → the name in this body (error messages)
     "max_new_tokens": "sampling_params.max_tokens",
     "top_logprobs": "sampling_params.logprobs",
-    "prompt_logprobs_start": "sampling_params.prompt_logprobs",
     **{f: f"sampling_params.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "n",
                                            "stop", "stop_token_ids", "seed",
                                            "prompt_logprobs")},
@@ -98,10 +95,7 @@ def vllm_routes() -> APIRouter:
 
     @router.get("/liveness")
     async def liveness(request: Request) -> Response:
-        bridge = get_state(request).bridge
-        if bridge.alive and not bridge.closing:
-            return json_response({"status": "alive"})
-        return error_response(503, f"engine is not running: {bridge.dead_reason or 'stopping'}")
+        return engine_down(get_state(request)) or json_response({"status": "alive"})
 
     @router.get("/get_world_size")
     async def world_size() -> Response:
@@ -187,7 +181,6 @@ def _job(st: ServerState, req: GenerateReq) -> Job:
         prompt_logprobs=-1 if sp.prompt_logprobs is None else sp.prompt_logprobs,
         cache_salt=req.cache_salt,
     )
-    check_scoring(params, len(req.token_ids), _FIELDS)
     return Job(req.request_id or new_rid(), list(req.token_ids), params)
 
 
@@ -201,7 +194,7 @@ def _response(st: ServerState, req: GenerateReq, book: SampleBook) -> GenerateOu
     first = book.samples[0]
     out = GenerateOut(
         request_id=book.jobs[0].rid, model=st.model_name, created=int(time.time()),
-        choices=choices, weight_version=first.weight_version, usage=_usage(book),
+        choices=choices, weight_version=first.weight_version, usage=usage(book),
     )
     if first.prompt_logprobs is not None:
         out.prompt_logprobs = lp.prompt_logprobs(first.prompt_ids, first.prompt_logprobs,
@@ -216,6 +209,7 @@ class _TokenStream:
 
     def __init__(self, st: ServerState, req: GenerateReq, job: Job) -> None:
         self.st, self.req, self.job = st, req, job
+        self.lp = LogprobFormatter(st.tokenizer)
         self.started = False
         opts = req.stream_options
         self.include_usage = bool(opts and opts.include_usage)
@@ -237,22 +231,15 @@ class _TokenStream:
             if self.req.return_token_ids:
                 out.prompt_token_ids = list(self.job.prompt_ids)
         if d.prompt_logprobs is not None:
-            lp = LogprobFormatter(self.st.tokenizer)
-            out.prompt_logprobs = lp.prompt_logprobs(self.job.prompt_ids, d.prompt_logprobs,
-                                                     params.prompt_logprobs)
+            out.prompt_logprobs = self.lp.prompt_logprobs(self.job.prompt_ids,
+                                                          d.prompt_logprobs,
+                                                          params.prompt_logprobs)
         return event(out)
 
     def closing(self, book: SampleBook) -> bytes | None:
         if not self.include_usage:
             return None
-        return event(GenStreamOut(self.job.rid, [], usage=_usage(book)))
-
-
-def _usage(book: SampleBook) -> GenUsage:
-    u = usage(book)
-    assert u.prompt_tokens_details is not None  # usage() always counts cached tokens
-    return GenUsage(u.prompt_tokens, u.completion_tokens, u.total_tokens,
-                    u.prompt_tokens_details)
+        return event(GenStreamOut(self.job.rid, [], usage=usage(book)))
 
 
 def _logprobs(r: RequestResult, params: SamplingParams) -> GenLogprobs | None:
