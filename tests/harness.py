@@ -142,7 +142,8 @@ def server_config(
     **engine_kw: Any,
 ) -> ServerConfig:
     engine = EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN),
+        model=ModelConfig(model=str(model_dir), dtype="float32",
+                          max_model_len=engine_kw.pop("max_model_len", MAX_MODEL_LEN)),
         cache=CacheConfig(max_num_seqs=engine_kw.pop("max_num_seqs", 8)),
         **engine_kw,
     )

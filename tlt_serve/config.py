@@ -14,6 +14,7 @@ from tlt_serve.devices import is_device
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("native", "vllm")  # tlt_serve/backends
 ATTENTION_BACKENDS = ("sdpa", "triton")  # the native engine's captured steps on a GPU
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # server/openai/tools.py
 
 
 class ConfigError(ValueError):
@@ -299,6 +300,7 @@ class ServerConfig:
     request_timeout_s: float | None = None  # a request still running after this is aborted
     max_body_bytes: int = 64 << 20  # JSON bodies above this get 413 (weight uploads stream)
     served_model_name: str | None = None  # name reported by /v1/models; default: the model arg
+    tool_call_parser: str = "auto"  # auto (from the chat template) | hermes | llama3_json | none
     log_level: str = "info"
     register: str | None = None  # an sglang-router URL: join it once serving, leave at exit
     advertise_url: str | None = None  # the URL the router reaches this server at
@@ -328,6 +330,9 @@ class ServerConfig:
             )
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ConfigError(f"request_timeout: must be > 0 s, got {self.request_timeout_s}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser: one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                              f"{self.tool_call_parser!r}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_mb: must be >= 1 KiB, got {self.max_body_bytes} bytes")
         if self.api_key and self.api_key == self.admin_key:

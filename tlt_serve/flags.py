@@ -13,6 +13,7 @@ from tlt_serve.config import (
     ATTENTION_BACKENDS,
     BACKENDS,
     SPEC_METHODS,
+    TOOL_CALL_PARSERS,
     CacheConfig,
     CaptureConfig,
     ConfigError,
@@ -69,6 +70,11 @@ def parse(argv: list[str]) -> ServerConfig:
     serve.add_argument("--max-body-mb", type=float, default=ServerConfig.max_body_bytes / 2**20,
                        metavar="MB", help="larger JSON request bodies get 413")
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                       default=ServerConfig.tool_call_parser,
+                       help="how chat answers are read for tool calls when a request offers "
+                       "tools: auto (the format the model's chat template shows), hermes "
+                       "(<tool_call> JSON: Qwen, Hermes), llama3_json (Llama 3.1+), none")
     serve.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
     serve.add_argument("--max-num-seqs", type=int, default=CacheConfig.max_num_seqs)
     serve.add_argument("--no-prefix-cache", action="store_true",
@@ -194,6 +200,7 @@ def parse(argv: list[str]) -> ServerConfig:
         request_timeout_s=args.request_timeout,
         max_body_bytes=int(args.max_body_mb * 2**20),
         served_model_name=args.served_model_name,
+        tool_call_parser=args.tool_call_parser,
         log_level=args.log_level,
         register=args.register,
         advertise_url=args.advertise_url,

@@ -19,8 +19,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat messages → prompt token ids, with the assistant turn opened.
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Chat messages (and the tools offered) → prompt token ids, the assistant turn opened.
 
         Raises ValueError (no template, or the template rejected the messages)."""
         if not getattr(self.hf, "chat_template", None):
@@ -28,7 +30,9 @@ class Tokenizer:
         from jinja2 import TemplateError
 
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.hf.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
         except TemplateError as err:  # e.g. a template that raises on an unexpected role order
             raise ValueError(f"chat template failed: {err}") from err
         return self.encode(text)

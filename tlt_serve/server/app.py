@@ -23,6 +23,7 @@ from tlt_serve.server.control.drafter import drafter_routes
 from tlt_serve.server.control.routes import control_routes
 from tlt_serve.server.control.weights import weight_routes
 from tlt_serve.server.openai.routes import openai_routes
+from tlt_serve.server.openai.tools import resolve_parser
 from tlt_serve.server.sglang.routes import generate_routes
 from tlt_serve.server.vllm.routes import vllm_routes
 
@@ -34,14 +35,16 @@ def build_app(
     if bridge.info is None:
         raise RuntimeError("build_app needs a started Bridge (call bridge.start())")
     info = bridge.info
+    tok = tokenizer or load_tokenizer(info.model_path)
     state = ServerState(
         config=config,
         bridge=bridge,
         info=info,
-        tokenizer=tokenizer or load_tokenizer(info.model_path),
+        tokenizer=tok,
         model_name=config.served_model_name or info.model,
         uploads=TensorUploads(),
         started=time.time(),
+        tool_parser=resolve_parser(config.tool_call_parser, tok.hf.chat_template),
     )
 
     @asynccontextmanager

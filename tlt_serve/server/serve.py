@@ -102,6 +102,8 @@ def serve(config: ServerConfig) -> int:
         return 1
     try:
         app = build_app(config, bridge)
+        log.info("tool calls in chat answers: %s", app.state.tlt.tool_parser or "not parsed "
+                 "(no --tool-call-parser, and the chat template shows no format it knows)")
         uv_config = uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

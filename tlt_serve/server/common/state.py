@@ -27,6 +27,7 @@ class ServerState:
     model_name: str  # what /v1/models reports and responses echo
     uploads: TensorUploads
     started: float  # unix time the app was built
+    tool_parser: str | None = None  # the chat answers' tool-call format (None: not parsed)
     training: TrainingState = field(default_factory=TrainingState)
 
 

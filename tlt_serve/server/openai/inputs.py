@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from tlt_serve.contract.reports import EngineInfo
 from tlt_serve.models.tokenizer import Tokenizer
 from tlt_serve.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
 from tlt_serve.server.common.jobs import Job, check_prompt, make_params, new_rid, require_defaults
+from tlt_serve.server.openai.chat_inputs import ToolUse, template_messages, tool_use
 from tlt_serve.server.openai.protocol import (
     CHAT_DEFAULT_ONLY,
     COMPLETION_DEFAULT_ONLY,
@@ -54,7 +56,10 @@ def _completion_prompts(prompt: str | list[Any], tok: Tokenizer) -> list[list[in
     raise ParamError("prompt", "must be a string, a list of strings, token ids or lists of them")
 
 
-def chat_job(req: ChatReq, tok: Tokenizer, info: EngineInfo) -> Job:
+def chat_job(
+    req: ChatReq, tok: Tokenizer, info: EngineInfo, tool_parser: str | None = None
+) -> tuple[Job, ToolUse]:
+    """``tool_parser``: the server's tool-call format (None: it parses none)."""
     require_defaults(req, CHAT_DEFAULT_ONLY)
     if req.response_format is not None and req.response_format.type != "text":
         raise ParamError("response_format.type", "only 'text' is supported")
@@ -64,7 +69,12 @@ def chat_job(req: ChatReq, tok: Tokenizer, info: EngineInfo) -> Job:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise ParamError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
     _check_stream_options(req)
-    ids = _chat_prompt(req, tok)
+    tools = tool_use(req, tool_parser)
+    messages = template_messages(req.messages)
+    try:
+        ids = tok.apply_chat_template(messages, tools.schemas)
+    except ValueError as err:
+        raise ParamError("messages", str(err)) from err
     check_prompt(ids, info, "messages")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -72,27 +82,10 @@ def chat_job(req: ChatReq, tok: Tokenizer, info: EngineInfo) -> Job:
         req, info, len(ids), limit, req.logprobs, req.top_logprobs or 0,
         {"max_new_tokens": field}, req.prompt_logprobs,
     )
-    return Job(new_rid(), ids, params)
-
-
-def _chat_prompt(req: ChatReq, tok: Tokenizer) -> list[int]:
-    if not req.messages:
-        raise ParamError("messages", "is empty")
-    messages: list[dict[str, Any]] = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            if any(p.type != "text" for p in content):
-                raise ParamError(f"messages[{i}].content", "only text parts are supported")
-            content = "".join(p.text for p in content)
-        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            msg["name"] = m.name
-        messages.append(msg)
-    try:
-        return tok.apply_chat_template(messages)
-    except ValueError as err:
-        raise ParamError("messages", str(err)) from err
+    if tools.parser is not None:
+        # a template's call markers may be special tokens: the parser must see them
+        params = replace(params, skip_special_tokens=False)
+    return Job(new_rid(), ids, params), tools
 
 
 def _check_stream_options(req: CommonReq) -> None:

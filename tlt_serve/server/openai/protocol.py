@@ -83,10 +83,46 @@ class TextPart(Struct, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCallIn(Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+
+    function: FunctionCallIn
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result's call
+
+
+class FunctionDef(Struct, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolDef(Struct, forbid_unknown_fields=True):
+    type: str
+    function: FunctionDef
+
+
+class FunctionName(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True):
+    type: str
+    function: FunctionName
 
 
 class ResponseFormat(Struct, forbid_unknown_fields=True):
@@ -100,8 +136,8 @@ class ChatReq(CommonReq, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered as sent; each checked as a ToolDef
+    tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -115,8 +151,6 @@ class ChatReq(CommonReq, kw_only=True):
 
 CHAT_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     **COMMON_DEFAULT_ONLY,
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
     "continue_final_message": (False,),
@@ -192,9 +226,30 @@ class ChatLogprobs(Struct):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessageOut(Struct):
     role: str
     content: str | None
+    tool_calls: list[ToolCall] = []
+
+
+class DeltaToolCall(Struct):
+    """A whole call in one delta (clients join a call's deltas by ``index``)."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: str = "function"
 
 
 class ChatChoice(Struct):
@@ -221,6 +276,7 @@ class ChatResponse(Struct):
 class ChatDelta(Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):

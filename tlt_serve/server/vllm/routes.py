@@ -41,6 +41,7 @@ from tlt_serve.server.common.jobs import (
 from tlt_serve.server.common.openapi import json_body
 from tlt_serve.server.common.state import ADMIN_TAG, ServerState, get_state, json_response
 from tlt_serve.server.control.routes import engine_down, fresh_stats, paused
+from tlt_serve.server.openai.answer import event
 from tlt_serve.server.openai.format import (
     LogprobFormatter,
     finish_str,
@@ -48,7 +49,7 @@ from tlt_serve.server.openai.format import (
     stop_reason,
     usage,
 )
-from tlt_serve.server.openai.routes import check_model, event, stream_events
+from tlt_serve.server.openai.routes import check_model, stream_events
 from tlt_serve.server.vllm.protocol import (
     GENERATE_DEFAULT_ONLY,
     SAMPLING_DEFAULT_ONLY,

@@ -1,0 +1,237 @@
+"""Tool calls on chat completions: the tools rendered by the chat template, the answer parsed
+(Hermes ``<tool_call>`` blocks, Llama 3 JSON) into ``tool_calls`` whole and streamed, tool
+results sent back as ``role: tool``; driven by the official SDK against tiny models trained to
+call a tool."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import transformers
+
+from tests.harness import Served, serve
+from tests.tool_model import (
+    ASK,
+    ASK_TWO,
+    HELLO,
+    HELLO_ANSWER,
+    HERMES_TEMPLATE,
+    LLAMA_TEMPLATE,
+    RESULT,
+    TOOLS,
+    answered,
+    make_tool_model,
+    render,
+)
+from tlt_serve.server.openai.tools import new_parser, parse_all, resolve_parser, template_parser
+
+# ---- parsers ------------------------------------------------------------------------------
+
+HERMES_TWO = ('Let me look.\n<tool_call>\n{"name": "w", "arguments": {"city": "Paris"}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "t", "arguments": {}}\n</tool_call>\n')
+
+
+@pytest.mark.parametrize(("kind", "text", "content", "calls"), [
+    ("hermes", HERMES_TWO, "Let me look.", [("w", {"city": "Paris"}), ("t", {})]),
+    ("hermes", '<tool_call>{"name": "w", "arguments": "{\\"x\\": 1}"}</tool_call>', "",
+     [("w", {"x": 1})]),  # arguments written as a JSON string
+    ("hermes", '<tool_call>\n{"name": "w", "arguments": {"x": [1, 2]}}', "",
+     [("w", {"x": [1, 2]})]),  # cut off before </tool_call>, its JSON whole
+    ("hermes", 'a < b <tool_call>{bad}</tool_call> tail ',
+     'a < b <tool_call>{bad}</tool_call> tail ', []),  # not a call: content, kept whole
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}'
+     '</tool_call>', []),  # no name
+    ("hermes", "Just text, no call.\n", "Just text, no call.\n", []),
+    ("hermes", '<tool_call>\n{"name": "w", "argum', '<tool_call>\n{"name": "w", "argum', []),
+    ("llama3_json", '{"name": "w", "parameters": {"city": "Paris"}}; {"name": "t", '
+     '"arguments": {}}', "", [("w", {"city": "Paris"}), ("t", {})]),
+    ("llama3_json", '<|python_tag|>{"name": "w", "parameters": {"é": "ü"}}\n', "",
+     [("w", {"é": "ü"})]),
+    ("llama3_json", ' The answer is {"a": 1}', ' The answer is {"a": 1}', []),
+    ("llama3_json", '{"answer": 1}', '{"answer": 1}', []),
+    ("llama3_json", '{"name": "w", "parameters": {"c', '{"name": "w", "parameters": {"c', []),
+    ("llama3_json", '{"name": "w", "parameters": {}} and more', ' and more',
+     [("w", {})]),
+])
+def test_a_streamed_answer_parses_as_the_whole_one(kind, text, content, calls) -> None:
+    """Every split of the text into three deltas tells the content and calls the whole text
+    does, and those are the expected ones."""
+    whole = parse_all(new_parser(kind), text)
+    assert whole.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == calls
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1, 3):
+            parser = new_parser(kind)
+            told = parser.feed(text[:i])
+            told.add(parser.feed(text[i:j]))
+            told.add(parser.feed(text[j:]))
+            told.add(parser.finish())
+            assert (told.content, told.calls) == (whole.content, whole.calls), (i, j)
+
+
+def test_the_parser_is_picked_by_the_chat_template() -> None:
+    assert template_parser(HERMES_TEMPLATE) == "hermes"
+    assert template_parser(LLAMA_TEMPLATE) == "llama3_json"
+    assert template_parser({"default": "x", "tool_use": HERMES_TEMPLATE}) == "hermes"
+    assert template_parser("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert template_parser(None) is None
+    assert resolve_parser("auto", HERMES_TEMPLATE) == "hermes"
+    assert resolve_parser("llama3_json", HERMES_TEMPLATE) == "llama3_json"
+    assert resolve_parser("none", HERMES_TEMPLATE) is None
+
+
+# ---- served -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["hermes", "llama3_json"])
+def tool_served(request, tmp_path_factory) -> Iterator[Served]:
+    """A server (auto parser) on a model of the family, trained to call get_weather."""
+    model = make_tool_model(tmp_path_factory.mktemp("tools") / request.param, request.param)
+    s = serve(model, max_model_len=1024)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def sdk(tool_served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tool_served.base_url + "/v1", api_key="-", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tok(tool_served: Served) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(tool_served.model_dir)
+
+
+def _chat(sdk: openai.OpenAI, messages: list[dict[str, Any]], **kw: Any) -> Any:
+    extra = {"return_token_ids": True, **kw.pop("extra_body", {})}
+    return sdk.chat.completions.create(model=sdk.models.list().data[0].id, messages=messages,
+                                       temperature=0, max_tokens=120, extra_body=extra, **kw)
+
+
+def _calls(tool_calls: Any) -> list[tuple[str, dict[str, Any]]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls or []]
+
+
+def test_a_call_is_parsed_into_tool_calls(sdk, tok) -> None:
+    out = _chat(sdk, ASK, tools=TOOLS, n=2)
+    assert out.prompt_token_ids == render(tok, ASK, TOOLS)  # the template saw the tools
+    ids = set()
+    for choice in out.choices:
+        msg = choice.message
+        assert choice.finish_reason == "tool_calls"
+        assert msg.content is None
+        assert _calls(msg.tool_calls) == [("get_weather", {"city": "Paris"})]
+        assert msg.tool_calls[0].type == "function"
+        ids.add(msg.tool_calls[0].id)
+    assert len(ids) == 2  # every call has its own id
+
+
+def test_parallel_calls_and_parallel_tool_calls_false(sdk) -> None:
+    both = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    out = _chat(sdk, ASK_TWO, tools=TOOLS)
+    assert _calls(out.choices[0].message.tool_calls) == both
+    assert out.choices[0].finish_reason == "tool_calls"
+    one = _chat(sdk, ASK_TWO, tools=TOOLS, parallel_tool_calls=False)
+    assert _calls(one.choices[0].message.tool_calls) == both[:1]
+    # the same tokens were written: only what is told differs
+    assert one.choices[0].token_ids == out.choices[0].token_ids
+
+
+def test_streamed_calls_equal_the_whole_answer(sdk) -> None:
+    whole = _chat(sdk, ASK_TWO, tools=TOOLS)
+    stream = _chat(sdk, ASK_TWO, tools=TOOLS, stream=True)
+    calls: dict[int, dict[str, str]] = {}
+    content, finish, token_ids = "", None, []
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            token_ids += choice.model_extra.get("token_ids") or []
+            for tc in delta.tool_calls or []:  # as clients join them: by index
+                entry = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                entry["id"] += tc.id or ""
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    msg = whole.choices[0].message
+    assert content == ""
+    assert finish == "tool_calls"
+    assert token_ids == whole.choices[0].token_ids
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
+        _calls(msg.tool_calls)
+    assert all(c["id"] for c in calls.values())
+
+
+def test_the_tool_result_goes_back_through_the_template(sdk, tok) -> None:
+    """The second turn: the assistant's call and the tool's result, as the SDK sends them."""
+    out = _chat(sdk, answered(), tools=TOOLS)
+    assert out.prompt_token_ids == render(tok, answered(), TOOLS)
+    choice = out.choices[0]
+    assert choice.message.content == RESULT
+    assert not choice.message.tool_calls
+    assert choice.finish_reason == "stop"
+    streamed = _chat(sdk, answered(), tools=TOOLS, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == RESULT
+
+
+def test_tool_choice_none_renders_the_tools_and_parses_nothing(sdk, tok, tool_served) -> None:
+    out = _chat(sdk, ASK, tools=TOOLS, tool_choice="none")
+    assert out.prompt_token_ids == render(tok, ASK, TOOLS)
+    choice = out.choices[0]
+    assert not choice.message.tool_calls
+    assert choice.finish_reason == "stop"
+    assert "get_weather" in choice.message.content  # the call's text, as content
+
+
+def test_without_tools_an_answer_is_content(sdk) -> None:
+    out = _chat(sdk, HELLO)
+    assert out.choices[0].message.content == HELLO_ANSWER
+    assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+])
+def test_bad_tools_are_refused_by_name(tool_served, body, field) -> None:
+    with tool_served.http() as http:
+        r = http.post("/v1/chat/completions", json={"messages": ASK, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_a_call_sent_back_must_be_json(tool_served) -> None:
+    messages = answered()
+    messages[1]["tool_calls"][0]["function"]["arguments"] = "{city: Paris"
+    with tool_served.http() as http:
+        r = http.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS})
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
+        ok = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 5})
+    assert ok.status_code == 200  # the server goes on
+
+
+def test_auto_needs_a_parser(http) -> None:
+    """The default tiny model's template shows no tool format: 'auto' is refused, 'none'
+    renders."""
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "tool_choice"
+    assert "--tool-call-parser" in r.json()["error"]["message"]
+    r = http.post("/v1/chat/completions",
+                  json={"messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3})
+    assert r.status_code == 200
