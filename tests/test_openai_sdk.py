@@ -144,7 +144,7 @@ def test_harmless_defaults_accepted(sdk, model) -> None:
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"presence_penalty": 1.0}, "presence_penalty"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"temperature": -1}, "temperature"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"top_logprobs": 2}, "top_logprobs"),

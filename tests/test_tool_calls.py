@@ -194,10 +194,105 @@ def test_without_tools_an_answer_is_content(sdk) -> None:
     assert out.choices[0].finish_reason == "stop"
 
 
+def test_tool_choice_required_calls_a_tool_whole_and_streamed(sdk) -> None:
+    """Constrained to a JSON list of calls of the tools given, whatever the model prefers
+    (here, the greeting it learned); one call with ``parallel_tool_calls`` false."""
+    kw = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    out = _chat(sdk, HELLO, **kw)
+    choice = out.choices[0]
+    calls = _calls(choice.message.tool_calls)
+    assert len(calls) == 1 and calls[0][0] in ("get_weather", "get_time")
+    if calls[0][0] == "get_weather":
+        assert isinstance(calls[0][1]["city"], str)
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    stream = _chat(sdk, HELLO, stream=True, **kw)
+    told = [tc for c in stream for ch in c.choices for tc in ch.delta.tool_calls or []]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in told] == calls
+
+
+def test_a_named_tool_choice_calls_that_function(sdk) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = _chat(sdk, HELLO, tools=TOOLS, tool_choice=named)
+    choice = out.choices[0]
+    (name, args), = _calls(choice.message.tool_calls)
+    assert name == "get_weather" and set(args) == {"city"} and isinstance(args["city"], str)
+    assert choice.finish_reason == "stop"  # as OpenAI's for a named function
+
+
+# ---- structured outputs -------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9},
+                   "tag": {"type": "string", "enum": ["a", "bb"]}},
+    "required": ["ok", "n", "tag"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema(http) -> None:
+    """A random model's answer, constrained: JSON matching the schema, greedy or seeded."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 5, "n": 3}):
+        r = http.post("/v1/chat/completions", json={
+            "messages": HELLO, "response_format": fmt, "max_tokens": 40, **extra})
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+            assert choice["finish_reason"] == "stop"
+    r = http.post("/v1/chat/completions", json={
+        "messages": HELLO, "response_format": {"type": "json_object"}, "max_tokens": 60,
+        "temperature": 0})
+    assert r.status_code == 200
+    content = r.json()["choices"][0]["message"]["content"]
+    if r.json()["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:
+        assert content.startswith("{")
+    r = http.post("/generate", json={"text": "Hi", "sampling_params": {
+        "json_schema": json.dumps(SCHEMA), "max_new_tokens": 40, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["text"]), SCHEMA)
+
+
 @pytest.mark.parametrize(("body", "field"), [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+])
+def test_bad_response_formats_are_refused_by_name(http, body, field) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": HELLO, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_constrained_output_is_the_same_with_speculation(tiny_model_dir) -> None:
+    """A constrained request decodes without drafts: greedy and seeded outputs equal plain
+    decoding's beside speculating requests."""
+    from tests.harness import make_llm
+    from tlt_serve import SamplingParams
+    from tlt_serve.config import SpecConfig
+
+    schema = json.dumps(SCHEMA)
+    params = [SamplingParams(max_new_tokens=40, temperature=0, json_schema=schema),
+              SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, json_schema=schema),
+              SamplingParams(max_new_tokens=24, temperature=0)]
+    prompts = ["Hello there", "The quick brown fox", "def add(a, b):"]
+    plain = make_llm(tiny_model_dir).generate(prompts, params)
+    spec = make_llm(tiny_model_dir, SpecConfig(method="ngram")).generate(prompts, params)
+    for a, b in zip(plain, spec, strict=True):
+        assert a.samples[0].token_ids == b.samples[0].token_ids
+    assert json.loads(plain[0].samples[0].text)["tag"] in ("a", "bb")
+
+
+@pytest.mark.parametrize(("body", "field"), [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
@@ -206,6 +301,10 @@ def test_without_tools_an_answer_is_content(sdk) -> None:
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": 5}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
 ])
 def test_bad_tools_are_refused_by_name(tool_served, body, field) -> None:
     with tool_served.http() as http:

@@ -225,6 +225,27 @@ def test_scoring_equals_teacher_forcing_in_both_dialects(plain: Served, prompts,
                    + 1 for p in range(1, len(ids)))
 
 
+def test_json_schema_constrains_vllms_output(plain: Served) -> None:
+    """A JSON schema (OpenAI's response_format, SGLang's json_schema) reaches vLLM's
+    structured outputs: the answer is JSON matching it."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"], "additionalProperties": False}
+    with plain.http() as http:
+        r = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Give me a number."}], "temperature": 0,
+            "max_tokens": 30, "response_format": {"type": "json_schema",
+                                                  "json_schema": {"schema": schema}}})
+        assert r.status_code == 200, r.text
+        jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), schema)
+        r = http.post("/generate", json={"text": "A number:", "sampling_params": {
+            "json_schema": json.dumps(schema), "max_new_tokens": 30, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        jsonschema.validate(json.loads(r.json()["text"]), schema)
+
+
 def test_cache_salt_reaches_vllms_prefix_cache(plain: Served, prompts) -> None:
     """vLLM reuses a cached prefix (whole 32-token blocks) only under the same salt."""
     long = [t for p in prompts for t in p][:100]

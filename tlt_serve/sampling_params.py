@@ -22,6 +22,7 @@ class SamplingParams:
     ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` disable those filters.
     ``seed`` makes sampling reproducible whatever else is in the batch.
     ``max_new_tokens == 0`` runs the prompt only (scoring: nothing is sampled).
+    ``json_schema`` constrains the output to JSON matching it (decoded without speculation).
     ``prompt_logprobs >= 0`` asks for the logprob of every prompt token from position
     ``prompt_logprobs_start`` on, each given the tokens before it, with that many top
     logprobs per position (the target's raw distribution, whatever the temperature).
@@ -45,6 +46,7 @@ class SamplingParams:
     prompt_logprobs: int = -1  # -1: none
     prompt_logprobs_start: int = 0
     cache_salt: str | None = None  # cached prefixes are shared only under the same salt
+    json_schema: str | None = None  # the output must match this JSON schema (its JSON text)
 
     def __post_init__(self) -> None:
         # Accept lists from JSON-ish callers but store immutable tuples.

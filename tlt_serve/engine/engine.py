@@ -18,6 +18,7 @@ from tlt_serve.config import EngineConfig
 from tlt_serve.engine.capture import CaptureBuffer
 from tlt_serve.engine.detokenizer import Detokenizer
 from tlt_serve.engine.features import committed_features
+from tlt_serve.engine.grammar import Grammars
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.outputs import StepOutput
 from tlt_serve.engine.prefix_cache import PrefixCache, salted
@@ -88,6 +89,7 @@ class Engine:
         # row → (tokens whose KV it holds, its cache key)
         self._finishing_rows: dict[int, tuple[list[int], str]] = {}
         self.sampler = Sampler(config.seed)
+        self.grammars = Grammars(self.tokenizer.hf, self.vocab_size)
         self.stats = EngineStats()
         self.weight_version = "0"
 
@@ -122,6 +124,8 @@ class Engine:
                     ),
                     group=rid if params.n > 1 else None,
                     generator=None if seed is None else torch.Generator().manual_seed(seed),
+                    grammar=(None if params.json_schema is None
+                             else self.grammars.matcher(params.json_schema)),
                 )
             )
         self.stats.on_add(len(rids), len(prompt_ids))
@@ -218,7 +222,7 @@ class Engine:
         if batch.is_prefill:
             self._reuse_prefixes(batch)
         t0 = time.perf_counter()
-        plan = self.spec.plan(batch)
+        plan = None if any(r.grammar is not None for r in batch.samplers) else self.spec.plan(batch)
         emitted: Sampled | Emitted
         if plan is None:
             run = self.runner.run(batch)

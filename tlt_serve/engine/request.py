@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -87,6 +88,7 @@ class Request:
     spec: SpecCounts = field(default_factory=SpecCounts)
     finish: FinishReason | None = None
     prompt_logprobs: PromptLogprobs | None = None  # scored at its prefill, sent once
+    grammar: Any = None  # an xgrammar matcher where the output must match a schema (grammar.py)
 
     def take_prompt_logprobs(self) -> PromptLogprobs | None:
         out, self.prompt_logprobs = self.prompt_logprobs, None

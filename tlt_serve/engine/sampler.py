@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tlt_serve.engine import grammar
 from tlt_serve.engine.request import Request
 from tlt_serve.engine.scheduler import Sampled
 from tlt_serve.sampling_params import SamplingParams
@@ -28,21 +29,25 @@ class Sampler:
         """logits [N, V] fp32, one row per request → one token each."""
         params = [r.params for r in reqs]
         greedy = [p.greedy for p in params]
+        temps = None
         scaled = logits  # greedy rows report raw-logit logprobs (T = 1)
         if not all(greedy):
             temps = torch.tensor(
                 [p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device
-            )  # [N]
-            scaled = logits / temps.unsqueeze(1)  # [N, V]
-        logprobs = torch.log_softmax(scaled, dim=-1)  # [N, V]
+            ).unsqueeze(1)  # [N, 1]
+            scaled = logits / temps  # [N, V]
+        logprobs = torch.log_softmax(scaled, dim=-1)  # [N, V], reported: before any grammar
+        allowed = grammar.mask(logits, reqs)  # [N, V], what a row's grammar cannot take at -inf
+        if allowed is not logits:
+            scaled = allowed if temps is None else allowed / temps
         if all(greedy):
-            tokens = logits.argmax(dim=-1)  # [N]
+            tokens = allowed.argmax(dim=-1)  # [N]
         else:
             filtered = apply_filters(scaled, params)  # [N, V], -inf outside the nucleus
             tokens = inverse_cdf(torch.softmax(filtered, dim=-1), self._uniforms(reqs))  # [N]
             if any(greedy):
                 is_greedy = torch.tensor(greedy, device=logits.device)  # [N]
-                tokens = torch.where(is_greedy, logits.argmax(dim=-1), tokens)
+                tokens = torch.where(is_greedy, allowed.argmax(dim=-1), tokens)
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [N]
         return Sampled(tokens.tolist(), chosen.tolist(), top_logprobs_of(logprobs, params))
 

@@ -198,6 +198,10 @@ class Scheduler:
                 req.finish = FinishReason("stop", token)
             else:
                 req.finish = self._finish_reason(req, matched)
+            if req.grammar is not None:  # advanced by what was committed; done once complete
+                req.grammar.accept_token(token)
+                if req.finish is None and req.grammar.is_terminated():
+                    req.finish = FinishReason("stop", token)
             if req.finish is not None:
                 break
         if req.finish is not None:

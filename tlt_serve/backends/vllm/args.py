@@ -163,6 +163,7 @@ def gpu_memory_utilization(
 
 def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec, gpu: Gpu | None) -> Any:
     """vLLM's engine arguments; ``gpu``: the device vLLM runs on (None: its CPU build)."""
+    from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     k = spec.config["num_speculative_tokens"] if spec.config else 0
@@ -191,6 +192,11 @@ def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec, gpu: Gpu 
         "speculative_config": spec.config,
         "worker_extension_cls": "tlt_serve.backends.vllm.worker.TltWorker",
         "disable_log_stats": False,
+        # JSON under a schema without free whitespace, as the native engine writes it (else a
+        # greedy answer can fill its token budget with newlines)
+        "structured_outputs_config": StructuredOutputsConfig(
+            backend="xgrammar", disable_any_whitespace=True
+        ),
     }
     if gpu is not None:
         weights = weight_bytes(model_dir, mc.dtype)

@@ -47,7 +47,7 @@ def check_params(params: SamplingParams, speculating: bool) -> None:
 def vllm_params(params: SamplingParams, index: int, max_tokens: int) -> Any:
     """vLLM SamplingParams of sample ``index`` (a DELTA stream, n = 1)."""
     from vllm import SamplingParams as VParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     want_logprobs = params.logprobs or params.top_logprobs > 0
     return VParams(
@@ -67,6 +67,10 @@ def vllm_params(params: SamplingParams, index: int, max_tokens: int) -> Any:
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         include_stop_str_in_output=params.include_stop_in_text,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=(
+            None if params.json_schema is None
+            else StructuredOutputsParams(json=params.json_schema)
+        ),
     )
 
 

@@ -45,7 +45,7 @@ class ChatAnswer(Answer):
         if self.tools.parser is None:
             return None
         if k not in self.parsers:
-            self.parsers[k] = new_parser(self.tools.parser)
+            self.parsers[k] = new_parser(self.tools.parser, self.tools.name)
         return self.parsers[k]
 
     def _calls(self, k: int, calls: list[Call]) -> list[tuple[int, ToolCall]]:
@@ -61,8 +61,10 @@ class ChatAnswer(Answer):
         ]
 
     def _finish(self, k: int, fin: FinishReason | None) -> str | None:
-        """``tool_calls`` where the answer ended on its own after making calls."""
-        if fin is not None and fin.type == "stop" and self.calls_told.get(k, 0):
+        """``tool_calls`` where the answer ended on its own after making calls (a named
+        function's call ends with ``stop``, as OpenAI's)."""
+        named = self.tools.parser == "named"
+        if fin is not None and fin.type == "stop" and self.calls_told.get(k, 0) and not named:
             return "tool_calls"
         return finish_str(fin)
 

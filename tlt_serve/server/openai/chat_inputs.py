@@ -9,18 +9,23 @@ from typing import Any
 
 import msgspec
 
+from tlt_serve.engine.grammar import check_schema
 from tlt_serve.sampling_params import ParamError
 from tlt_serve.server.openai.protocol import ChatMessage, ChatReq, NamedToolChoice, ToolDef
 
 
 @dataclass(frozen=True)
 class ToolUse:
-    """``schemas``: the tools as sent, for the template; ``parser``: the tool-call format the
-    answer is parsed with (None: all of it is content)."""
+    """``schemas``: the tools as sent, for the template; ``parser``: how the answer is read
+    for calls (a template's format, ``required``: a JSON list of calls, ``named``: the
+    arguments of ``name``; None: all of it is content); ``json_schema``: what constrains the
+    answer (a forced call)."""
 
     schemas: list[dict[str, Any]] | None = None
     parser: str | None = None
+    name: str | None = None
     parallel: bool = True
+    json_schema: str | None = None
 
 
 def tool_use(req: ChatReq, parser: str | None) -> ToolUse:
@@ -30,22 +35,21 @@ def tool_use(req: ChatReq, parser: str | None) -> ToolUse:
         if choice not in (None, "none"):
             raise ParamError("tool_choice", "needs tools")
         return ToolUse()
-    names = _tool_names(req.tools)
+    tools = _tools(req.tools)
+    parallel = req.parallel_tool_calls is not False
     if choice is None:
         choice = "auto"  # OpenAI's default when tools are given
     if isinstance(choice, NamedToolChoice):
         if choice.type != "function":
             raise ParamError("tool_choice.type", f"must be 'function', got {choice.type!r}")
-        if choice.function.name not in names:
-            raise ParamError("tool_choice.function.name",
-                             f"{choice.function.name!r} is not among the tools")
-        raise ParamError("tool_choice", "a named function needs constrained decoding, which "
-                         "this server does not run; use 'auto'")
+        name = choice.function.name
+        if name not in tools:
+            raise ParamError("tool_choice.function.name", f"{name!r} is not among the tools")
+        return ToolUse(req.tools, "named", name, parallel, json.dumps(_parameters(tools[name])))
     if choice == "none":
         return ToolUse(req.tools)  # rendered (as vLLM does), never parsed
     if choice == "required":
-        raise ParamError("tool_choice", "'required' needs constrained decoding, which this "
-                         "server does not run; use 'auto'")
+        return ToolUse(req.tools, "required", None, parallel, _calls_schema(tools, parallel))
     if choice != "auto":
         raise ParamError("tool_choice", f"must be 'none', 'auto', 'required' or a named "
                          f"function, got {choice!r}")
@@ -53,11 +57,51 @@ def tool_use(req: ChatReq, parser: str | None) -> ToolUse:
         raise ParamError("tool_choice", "'auto' needs a tool-call parser: this model's chat "
                          "template shows no tool-call format the server knows; start it with "
                          "--tool-call-parser hermes|llama3_json")
-    return ToolUse(req.tools, parser, req.parallel_tool_calls is not False)
+    return ToolUse(req.tools, parser, None, parallel)
 
 
-def _tool_names(tools: list[dict[str, Any]]) -> set[str]:
-    names: set[str] = set()
+def _parameters(tool: ToolDef) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object"}
+
+
+def _calls_schema(tools: dict[str, ToolDef], parallel: bool) -> str:
+    """A JSON list of one or more ``{"name", "parameters"}`` calls of the tools (the shape
+    vLLM constrains ``required`` to)."""
+    call = [
+        {"type": "object",
+         "properties": {"name": {"type": "string", "enum": [name]},
+                        "parameters": _parameters(tool)},
+         "required": ["name", "parameters"]}
+        for name, tool in tools.items()
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return json.dumps(schema)
+
+
+def answer_schema(req: ChatReq, tools: ToolUse) -> str | None:
+    """What constrains the answer: a forced call's schema, or ``response_format``'s."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return tools.json_schema
+    if tools.json_schema is not None:
+        raise ParamError("response_format", "cannot be combined with a forced tool call")
+    if fmt.type == "json_object":
+        return json.dumps({"type": "object"})
+    if fmt.type != "json_schema":
+        raise ParamError("response_format.type", "must be 'text', 'json_object' or "
+                         f"'json_schema', got {fmt.type!r}")
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise ParamError("response_format.json_schema.schema", "is required")
+    schema = json.dumps(fmt.json_schema.schema)
+    check_schema(schema, "response_format.json_schema.schema")
+    return schema
+
+
+def _tools(tools: list[dict[str, Any]]) -> dict[str, ToolDef]:
+    """The tools by name, each checked."""
+    names: dict[str, ToolDef] = {}
     for i, raw in enumerate(tools):
         try:
             tool = msgspec.convert(raw, ToolDef)
@@ -70,7 +114,9 @@ def _tool_names(tools: list[dict[str, Any]]) -> set[str]:
             raise ParamError(f"tools[{i}].function.name", "is empty")
         if name in names:
             raise ParamError(f"tools[{i}].function.name", f"{name!r} is given twice")
-        names.add(name)
+        if tool.function.parameters is not None:
+            check_schema(json.dumps(tool.function.parameters), f"tools[{i}].function.parameters")
+        names[name] = tool
     return names
 
 

@@ -9,7 +9,12 @@ from tlt_serve.contract.reports import EngineInfo
 from tlt_serve.models.tokenizer import Tokenizer
 from tlt_serve.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
 from tlt_serve.server.common.jobs import Job, check_prompt, make_params, new_rid, require_defaults
-from tlt_serve.server.openai.chat_inputs import ToolUse, template_messages, tool_use
+from tlt_serve.server.openai.chat_inputs import (
+    ToolUse,
+    answer_schema,
+    template_messages,
+    tool_use,
+)
 from tlt_serve.server.openai.protocol import (
     CHAT_DEFAULT_ONLY,
     COMPLETION_DEFAULT_ONLY,
@@ -61,8 +66,6 @@ def chat_job(
 ) -> tuple[Job, ToolUse]:
     """``tool_parser``: the server's tool-call format (None: it parses none)."""
     require_defaults(req, CHAT_DEFAULT_ONLY)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ParamError("response_format.type", "only 'text' is supported")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise ParamError("top_logprobs", "requires logprobs to be true")
@@ -70,6 +73,7 @@ def chat_job(
             raise ParamError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
     _check_stream_options(req)
     tools = tool_use(req, tool_parser)
+    schema = answer_schema(req, tools)
     messages = template_messages(req.messages)
     try:
         ids = tok.apply_chat_template(messages, tools.schemas)
@@ -82,9 +86,11 @@ def chat_job(
         req, info, len(ids), limit, req.logprobs, req.top_logprobs or 0,
         {"max_new_tokens": field}, req.prompt_logprobs,
     )
-    if tools.parser is not None:
+    if tools.parser in ("hermes", "llama3_json"):
         # a template's call markers may be special tokens: the parser must see them
         params = replace(params, skip_special_tokens=False)
+    if schema is not None:
+        params = replace(params, json_schema=schema)
     return Job(new_rid(), ids, params), tools
 
 

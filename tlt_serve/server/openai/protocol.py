@@ -94,6 +94,7 @@ class ToolCallIn(Struct, forbid_unknown_fields=True, kw_only=True):
     function: FunctionCallIn
     id: str | None = None
     type: str = "function"
+    index: int | None = None  # a streamed call's place, sent back by some clients
 
 
 class ChatMessage(Struct, forbid_unknown_fields=True):
@@ -125,8 +126,16 @@ class NamedToolChoice(Struct, forbid_unknown_fields=True):
     function: FunctionName
 
 
+class JsonSchemaFormat(Struct, forbid_unknown_fields=True):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(Struct, forbid_unknown_fields=True):
-    type: str
+    type: str  # text | json_object | json_schema
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatReq(CommonReq, kw_only=True):

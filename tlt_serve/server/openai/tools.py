@@ -53,11 +53,14 @@ def parse_all(parser: ToolParser, text: str) -> Told:
     return told
 
 
-def new_parser(kind: str) -> ToolParser:
+def new_parser(kind: str, name: str | None = None) -> ToolParser:
+    """``kind``: a template's format, or a forced call's (``required``, ``named`` + ``name``)."""
     if kind == "hermes":
         return HermesParser()
     if kind == "llama3_json":
         return Llama3JsonParser()
+    if kind in ("required", "named"):
+        return ForcedParser(name)
     raise ValueError(f"unknown tool-call parser {kind!r}")
 
 
@@ -223,3 +226,33 @@ class Llama3JsonParser:
                 return told
             told.calls.append(call)
             self.buf = rest[end:]
+
+
+class ForcedParser:
+    """A forced call's answer, decoded under its schema: the arguments of function ``name``,
+    or (no name: ``tool_choice`` required) a JSON list of ``{"name", "parameters"}``. Told
+    whole at the end (a length limit may cut the JSON: then it is content)."""
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+        self.buf = ""
+
+    def feed(self, text: str) -> Told:
+        self.buf += text
+        return Told()
+
+    def finish(self) -> Told:
+        text, self.buf = self.buf, ""
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return Told(content=text)
+        if self.name is not None:
+            calls = [_call({"name": self.name, "arguments": obj})]
+        elif isinstance(obj, list):
+            calls = [_call(c) for c in obj]
+        else:
+            calls = [None]
+        if any(c is None for c in calls):
+            return Told(content=text)
+        return Told(calls=[c for c in calls if c is not None])

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tlt_serve.contract.reports import EngineInfo
+from tlt_serve.engine.grammar import check_schema
 from tlt_serve.models.tokenizer import Tokenizer
 from tlt_serve.sampling_params import ParamError, SamplingParams
 from tlt_serve.server.common.jobs import (
@@ -106,6 +107,8 @@ _SGL_FIELD_NAMES = {
 
 def _sgl_params(sp: SglSamplingParams, logprob: bool, top_n: int, start: int) -> SamplingParams:
     require_defaults(sp, SGL_DEFAULT_ONLY, "sampling_params.")
+    if sp.json_schema is not None:
+        check_schema(sp.json_schema, "sampling_params.json_schema")
     return make_params(
         _SGL_FIELD_NAMES,
         max_new_tokens=sp.max_new_tokens,
@@ -125,4 +128,5 @@ def _sgl_params(sp: SglSamplingParams, logprob: bool, top_n: int, start: int) ->
         top_logprobs=top_n if logprob else 0,
         prompt_logprobs=top_n if logprob and start >= 0 else -1,
         prompt_logprobs_start=max(start, 0),
+        json_schema=sp.json_schema,
     )

@@ -49,7 +49,6 @@ SGL_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0.0,),
     "repetition_penalty": (1.0,),
     "regex": (None,),
-    "json_schema": (None,),
     "ebnf": (None,),
     "logit_bias": (None, {}),
 }
