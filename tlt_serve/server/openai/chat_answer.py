@@ -3,8 +3,6 @@ text as the server's tool-call format writes them."""
 
 from __future__ import annotations
 
-import msgspec
-
 from tlt_serve.engine.outputs import RequestResult, StepOutput
 from tlt_serve.engine.request import FinishReason
 from tlt_serve.server.common.jobs import Job, SampleBook
@@ -125,7 +123,7 @@ class ChatAnswer(Answer):
     def chunk(self, book: SampleBook, k: int, new: list[StepOutput]) -> bytes | None:
         d, params = merge_delta(new), book.job(k).params
         delta = self._delta(k, d)
-        told = delta.content is not msgspec.UNSET or delta.tool_calls is not msgspec.UNSET
+        told = bool(delta.content) or bool(delta.tool_calls)  # UNSET is false
         if not (told or d.finish or params.logprobs or self.token_ids):
             return None  # nothing a client could see (text held back)
         logprobs = None
