@@ -13,6 +13,10 @@
 #                                     plus the ones areal.engine.sglang_remote imports
 #   bash scripts/install.sh --trl     also TRL 1.16.0, for tests/test_trl.py (its VLLMClient
 #                                     imports vLLM: with --vllm)
+#   bash scripts/install.sh --verifiers
+#                                     also verifiers 0.4.0 (prime-rl's environments), for
+#                                     tests/test_verifiers.py, in a virtualenv of its own,
+#                                     .venv-verifiers: it pins openai < 3 and mcp 2.0
 #
 # On a machine without an NVIDIA GPU, take the CPU build of torch first: an open `torch`
 # requirement would otherwise pull a multi-GB CUDA build. Where torch is already installed
@@ -23,12 +27,15 @@ PY=${PYTHON:-python3}
 VLLM=0
 AREAL=0
 TRL=0
+VERIFIERS=0
 for arg in "$@"; do
   case "$arg" in
     --vllm) VLLM=1 ;;
     --areal) AREAL=1 ;;
     --trl) TRL=1 ;;
-    *) echo "install.sh: unknown option $arg (known: --vllm, --areal, --trl)" >&2; exit 2 ;;
+    --verifiers) VERIFIERS=1 ;;
+    *) echo "install.sh: unknown option $arg (known: --vllm, --areal, --trl, --verifiers)" >&2
+       exit 2 ;;
   esac
 done
 GPU=0
@@ -69,4 +76,9 @@ fi
 if [ "$TRL" = 1 ]; then
   # Its own requirements (transformers, accelerate, datasets) fit beside the torch above.
   "$PY" -m pip install --quiet trl==1.16.0
+fi
+if [ "$VERIFIERS" = 1 ]; then
+  # uv beside it: verifiers' chat harness installs its own script's dependencies with it
+  "$PY" -m venv .venv-verifiers
+  .venv-verifiers/bin/python -m pip install --quiet verifiers==0.4.0 uv==0.13.9
 fi

@@ -96,6 +96,37 @@ def calls_message(*cities: str) -> dict[str, Any]:
     }
 
 
+Lesson = tuple[list[dict[str, Any]], Any, str]  # messages, tools, the answer to learn
+
+# verifiers' task (tests/verifiers_task.py): its tool as verifiers describes the Python
+# function to the server, and the conversation its chat harness sends
+VERIFIERS_QUESTION = "What is the weather in Paris?"
+VERIFIERS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"title": "City", "type": "string"}},
+            "required": ["city"],
+            "title": "get_weatherArguments",
+        },
+    },
+}
+VERIFIERS_ANSWER = "It is sunny in Paris."
+
+
+def verifiers_lessons(family: str) -> list[Lesson]:
+    ask = [{"role": "user", "content": VERIFIERS_QUESTION}]
+    result = {"role": "tool", "tool_call_id": CALL_ID, "name": "get_weather",
+              "content": "The weather in Paris is sunny, 22C."}
+    return [
+        (ask, [VERIFIERS_TOOL], FAMILIES[family].call_text("Paris")),
+        ([*ask, calls_message("Paris"), result], [VERIFIERS_TOOL], VERIFIERS_ANSWER),
+    ]
+
+
 def answered() -> list[dict[str, Any]]:
     """The conversation after the call: the call, then the tool's result."""
     return [*ASK, calls_message("Paris"),
@@ -147,8 +178,10 @@ def render(tok: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def make_tool_model(out: Path, family: str, steps: int = 600) -> Path:
-    """A tiny model (fp32) that answers the lessons below greedily, letter for letter."""
+def make_tool_model(out: Path, family: str, extra: list[Lesson] | None = None,
+                    steps: int = 800) -> Path:
+    """A tiny model (fp32) that answers the lessons below (and ``extra``) greedily, letter
+    for letter."""
     fam = FAMILIES[family]
     make_tiny_model(out, "llama", seed=0)
     tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -159,6 +192,7 @@ def make_tool_model(out: Path, family: str, steps: int = 600) -> Path:
         (ASK_TWO, TOOLS, fam.call_text("Paris", "Rome")),
         (answered(), TOOLS, RESULT),
         (HELLO, None, HELLO_ANSWER),
+        *(extra or []),
     ]
     model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
     model.resize_token_embeddings(len(tok))
