@@ -5,10 +5,11 @@ Every case runs with the admin key (so it reaches the handlers, not the key chec
 case stands alone: after it, generation is continued (a fuzzed ``/pause_generation`` must not
 stall the next case), and the server must still generate and hold nothing (no request
 running, queued or in flight). The server's request timeout bounds every generation the
-fuzzer asks for. Not fuzzed: ``/init_weights_update_group`` and
-``/update_weights_from_distributed``, whose replies by contract wait (up to ``timeout_s``,
-default 120 s) until rank 0 of a torch.distributed group connects; serving goes on meanwhile
-(their input checks are tested in test_server_errors / test_server_weights).
+fuzzer asks for. Not fuzzed: ``/init_weights_update_group``,
+``/update_weights_from_distributed`` and ``/init_weight_transfer_engine``, whose replies by
+contract wait (up to ``timeout_s``, default 120 s) until rank 0 of a torch.distributed group
+connects; serving goes on meanwhile (their input checks are tested in test_server_errors /
+test_server_weights).
 ``TLT_FUZZ_EXAMPLES`` sets the cases per operation (default 20).
 """
 
@@ -29,7 +30,8 @@ USER, ADMIN = "fuzz-user", "fuzz-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 EXAMPLES = int(os.environ.get("TLT_FUZZ_EXAMPLES", "20"))
 HANG_S = 60.0  # no single response may take longer (the request timeout is 5 s)
-BLOCKING = ("/init_weights_update_group", "/update_weights_from_distributed")
+BLOCKING = ("/init_weights_update_group", "/update_weights_from_distributed",
+            "/init_weight_transfer_engine")
 
 
 @pytest.fixture(scope="module")

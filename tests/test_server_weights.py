@@ -345,3 +345,57 @@ def test_a_receiver_keeping_tensors_elsewhere_holds_one_buffer_at_a_time() -> No
     assert [n for n, _ in got] == [n for n, _ in sent]
     assert all(torch.equal(g, s) for (_, g), (_, s) in zip(got, sent, strict=True))
     assert alive == [0, 0, 0, 0]
+
+
+def test_vllm_weight_transfer_routes(served, http, other_dir, expected) -> None:
+    """vLLM's weight-transfer routes as a trainer drives them (here over gloo, the test
+    process rank 0): join, then a step of two rounds between start and finish, the version
+    named at finish; refusals by field; leaving the group."""
+    port = free_port()
+    replies: dict[str, httpx.Response] = {}
+
+    def call(path: str, body: dict) -> None:
+        with served.http() as c:
+            replies[path] = c.post(path, json=body)
+
+    assert http.post("/update_weights", json={"update_info": {
+        "names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]]}}
+    ).status_code == 400  # no update started
+    bad = http.post("/init_weight_transfer_engine", json={"init_info": {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+        "world_size": 2, "packed": True}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "init_info.packed"
+    init = threading.Thread(target=call, args=("/init_weight_transfer_engine", {"init_info": {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+        "world_size": 2}}))
+    init.start()
+    trainer = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=60)
+    init.join(60)
+    assert replies["/init_weight_transfer_engine"].status_code == 200
+
+    assert http.post("/start_weight_update").json() == {"message": "Weight update started"}
+    named = sorted(load_file(str(other_dir / "model.safetensors")).items())
+    half = len(named) // 2
+    for part in (named[:half], named[half:]):  # two rounds, each applied whole
+        specs = specs_of(part)
+        update = threading.Thread(target=call, args=("/update_weights", {"update_info": {
+            "names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
+            "shapes": [list(s.shape) for s in specs]}}))
+        update.start()
+        trainer.send(part)
+        update.join(60)
+        assert replies["/update_weights"].status_code == 200, replies["/update_weights"].text
+    done = http.post("/finish_weight_update", json={"weight_version": "step-1"})
+    assert done.status_code == 200 and done.json()["weight_version"] == "step-1"
+    out = generate(http)
+    assert out["output_ids"] == expected["other"]
+    assert out["meta_info"]["weight_version"] == "step-1"
+
+    assert http.post("/finish_weight_update").status_code == 400  # none open
+    http.post("/start_weight_update")
+    wrong = http.post("/update_weights", json={"update_info": {
+        "names": ["x"], "dtype_names": ["int8"], "shapes": [[1]]}})
+    assert wrong.status_code == 400
+    assert wrong.json()["error"]["param"] == "update_info.dtype_names"
+    assert http.post("/finish_weight_update").status_code == 200
+    assert http.post("/shutdown_weight_transfer_engine").status_code == 200

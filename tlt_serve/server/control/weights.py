@@ -81,7 +81,7 @@ def weight_routes() -> APIRouter:
         req = decode_body(await request.body(), UpdateWeightVersionReq)
         version = checked_version("new_version", req.new_version)
         assert version is not None  # a required field
-        return await _apply(st, UpdateWeightVersion(version, req.abort_all_requests))
+        return await apply_update(st, UpdateWeightVersion(version, req.abort_all_requests))
 
     @router.post(
         "/update_weights_from_disk", tags=[ADMIN_TAG], openapi_extra=json_body(UpdateFromDiskReq)
@@ -92,7 +92,7 @@ def weight_routes() -> APIRouter:
         if req.load_format not in (None, "auto", "safetensors"):
             raise ParamError("load_format", "only safetensors checkpoints are supported")
         version = checked_version("weight_version", req.weight_version)
-        return await _apply(st, UpdateWeightsFromDisk(req.model_path, version,
+        return await apply_update(st, UpdateWeightsFromDisk(req.model_path, version,
                                                       req.abort_all_requests))
 
     @router.post("/update_weights_from_tensor", tags=[ADMIN_TAG], openapi_extra=binary_body())
@@ -121,7 +121,7 @@ def weight_routes() -> APIRouter:
             msg = f"chunk {chunk + 1}/{num_chunks} received"
             return json_response(WeightUpdateOut(True, msg, st.bridge.weight_version))
         try:
-            return await _apply(st, UpdateWeightsFromFile(str(done), weight_version))
+            return await apply_update(st, UpdateWeightsFromFile(str(done), weight_version))
         finally:
             done.unlink(missing_ok=True)
 
@@ -131,16 +131,8 @@ def weight_routes() -> APIRouter:
     async def init_group(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), InitGroupReq)
-        if req.backend not in ("gloo", "nccl"):
-            raise ParamError("backend", f"must be gloo or nccl, got {req.backend!r}")
-        if not 0 < req.rank_offset < req.world_size:
-            raise ParamError("rank_offset", "must be in [1, world_size): the trainer is rank 0")
-        port = _port(req.master_port)
-        if not 0 < req.timeout_s <= MAX_RENDEZVOUS_S:
-            raise ParamError("timeout_s", f"must be in (0, {MAX_RENDEZVOUS_S:.0f}], "
-                             f"got {req.timeout_s}")
-        return await _apply(st, InitWeightsUpdateGroup(
-            req.master_address, port, req.rank_offset, req.world_size, req.backend,
+        return await apply_update(st, join_group(
+            req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend,
             req.group_name, req.timeout_s))
 
     @router.post(
@@ -151,20 +143,11 @@ def weight_routes() -> APIRouter:
     async def from_distributed(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), UpdateFromDistributedReq)
-        # Checked here: once the engine starts receiving, it blocks until rank 0 sends.
-        if not req.names or not len(req.names) == len(req.dtypes) == len(req.shapes):
-            raise ParamError("names", "names, dtypes and shapes must be non-empty, same length")
-        dtypes = [d.removeprefix("torch.") for d in req.dtypes]
-        bad = next((d for d in dtypes if d not in DIST_DTYPES), None)
-        if bad is not None:
-            raise ParamError("dtypes", f"{bad!r} is not one of {sorted(DIST_DTYPES)}")
-        if any(d < 0 for shape in req.shapes for d in shape):
-            raise ParamError("shapes", "dimensions must be >= 0")
         if req.load_format is not None:
             raise ParamError("load_format", "not supported")
         version = checked_version("weight_version", req.weight_version)
-        return await _apply(st, UpdateWeightsFromDistributed(
-            req.names, dtypes, req.shapes, req.group_name, version, req.abort_all_requests))
+        return await apply_update(st, receive_tensors(
+            req.names, req.dtypes, req.shapes, req.group_name, version, req.abort_all_requests))
 
     @router.post(
         "/destroy_weights_update_group", tags=[ADMIN_TAG], openapi_extra=json_body(DestroyGroupReq)
@@ -172,7 +155,7 @@ def weight_routes() -> APIRouter:
     async def destroy_group(request: Request) -> Response:
         st = get_state(request)
         req = decode_body(await request.body(), DestroyGroupReq)
-        return await _apply(st, DestroyWeightsUpdateGroup(req.group_name))
+        return await apply_update(st, DestroyWeightsUpdateGroup(req.group_name))
 
     return router
 
@@ -188,7 +171,7 @@ def checked_version(field: str, version: str | None) -> str | None:
     return version
 
 
-async def _apply(st: ServerState, op: ControlOp[WeightsUpdated]) -> Response:
+async def apply_update(st: ServerState, op: ControlOp[WeightsUpdated]) -> Response:
     """SGLang's answer to a weight update: ``{success, message, weight_version}``, 400 (with
     the version still served) when the engine refused it."""
     try:
@@ -199,10 +182,46 @@ async def _apply(st: ServerState, op: ControlOp[WeightsUpdated]) -> Response:
     return json_response(WeightUpdateOut(True, done.message, done.weight_version))
 
 
-def _port(value: int | str) -> int:
+def join_group(
+    address: str, port: int | str, rank_offset: int, world_size: int, backend: str,
+    group: str, timeout_s: float, prefix: str = "",
+) -> InitWeightsUpdateGroup:
+    """The join of a trainer's torch.distributed group, checked (``prefix``: where the fields
+    sit in the body, for errors)."""
+    if backend not in ("gloo", "nccl"):
+        raise ParamError(f"{prefix}backend", f"must be gloo or nccl, got {backend!r}")
+    if not 0 < rank_offset < world_size:
+        raise ParamError(f"{prefix}rank_offset",
+                         "must be in [1, world_size): the trainer is rank 0")
+    if not 0 < timeout_s <= MAX_RENDEZVOUS_S:
+        raise ParamError(f"{prefix}timeout_s", f"must be in (0, {MAX_RENDEZVOUS_S:.0f}], "
+                         f"got {timeout_s}")
+    return InitWeightsUpdateGroup(address, _port(port, f"{prefix}master_port"), rank_offset,
+                                  world_size, backend, group, timeout_s)
+
+
+def receive_tensors(
+    names: list[str], dtypes: list[str], shapes: list[list[int]], group: str,
+    version: str | None, abort_all: bool, prefix: str = "", dtypes_field: str = "dtypes",
+) -> UpdateWeightsFromDistributed:
+    """An update over the group, checked here: once the engine starts receiving, it blocks
+    until rank 0 sends."""
+    if not names or not len(names) == len(dtypes) == len(shapes):
+        raise ParamError(f"{prefix}names",
+                         f"names, {dtypes_field} and shapes must be non-empty, same length")
+    plain = [d.removeprefix("torch.") for d in dtypes]
+    bad = next((d for d in plain if d not in DIST_DTYPES), None)
+    if bad is not None:
+        raise ParamError(f"{prefix}{dtypes_field}", f"{bad!r} is not one of {sorted(DIST_DTYPES)}")
+    if any(d < 0 for shape in shapes for d in shape):
+        raise ParamError(f"{prefix}shapes", "dimensions must be >= 0")
+    return UpdateWeightsFromDistributed(names, plain, shapes, group, version, abort_all)
+
+
+def _port(value: int | str, field: str = "master_port") -> int:
     """A TCP port given as a number or a string of digits (AReaL sends a string)."""
     digits = isinstance(value, str) and value.isascii() and value.isdigit()
     port = value if isinstance(value, int) else int(value) if digits else -1
     if not 0 < port < 65536:
-        raise ParamError("master_port", f"must be a port in [1, 65535], got {value!r}")
+        raise ParamError(field, f"must be a port in [1, 65535], got {value!r}")
     return port

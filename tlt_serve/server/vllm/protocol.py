@@ -135,9 +135,44 @@ class GenStreamOut(Struct):
     prompt_logprobs: PromptLogprobsOut | UnsetType = UNSET
 
 
+class TransferUpdateInfo(Struct, forbid_unknown_fields=True):
+    """One round of vLLM's weight transfer: the tensors rank 0 broadcasts next, in order."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    packed: bool = False
+    is_checkpoint_format: bool = True
+
+
 class UpdateWeightsReq(Struct, forbid_unknown_fields=True):
     """prime-rl's ``{weight_dir}`` (a checkpoint directory), or vLLM's weight-transfer
-    ``{update_info}`` (refused: see ``routes.update_weights``)."""
+    ``{update_info}`` (a round over the group ``/init_weight_transfer_engine`` joined)."""
 
     weight_dir: str | None = None
-    update_info: dict[str, Any] | None = None
+    update_info: TransferUpdateInfo | None = None
+
+
+class TransferInitInfo(Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's NCCL weight-transfer init, its TCPStore rendezvous: the trainer is rank 0 and
+    hosts the store; this server joins as ``rank_offset``. ``backend`` (not vLLM's): the
+    collective library, gloo (CPU) or nccl (a CUDA engine)."""
+
+    master_address: str
+    master_port: int | str
+    rank_offset: int
+    world_size: int
+    backend: str = "gloo"
+    timeout_s: float = 120.0
+    packed: bool = False
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
+    nccl_unique_id_b64: str | None = None
+
+
+class TransferInitReq(Struct, forbid_unknown_fields=True):
+    init_info: TransferInitInfo
+
+
+class TransferFinishReq(Struct, forbid_unknown_fields=True):
+    weight_version: str | None = None

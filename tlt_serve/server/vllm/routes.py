@@ -6,12 +6,9 @@
 - ``POST /pause?mode=keep|abort|wait``, ``POST /resume``, ``GET /is_paused``;
 - ``POST /update_weights`` with ``{weight_dir}`` (a checkpoint directory, as prime-rl sends),
   ``POST /reload_weights`` (back to the checkpoint the server started with);
-- ``GET /liveness``.
-
-vLLM's weight-transfer engine (``/init_weight_transfer_engine`` and ``/update_weights`` with
-``update_info``: NCCL groups of vLLM's own) is not served: the torch.distributed routes
-(``/init_weights_update_group``, ``/update_weights_from_distributed``) carry the same
-weights."""
+- vLLM's weight-transfer routes (``transfer.py``: ``/init_weight_transfer_engine``,
+  ``/start_weight_update``, ``/update_weights {update_info}``, ``/finish_weight_update``);
+- ``GET /liveness``."""
 
 from __future__ import annotations
 
@@ -63,6 +60,7 @@ from tlt_serve.server.vllm.protocol import (
     GenStreamOut,
     UpdateWeightsReq,
 )
+from tlt_serve.server.vllm.transfer import TransferSession, receive, transfer_routes
 
 PAUSE_MODES = {"keep": "in_place", "abort": "abort", "wait": "drain"}  # vLLM's → ours
 _FIELDS = {  # SamplingParams field → the name in this body (error messages)
@@ -76,6 +74,8 @@ _FIELDS = {  # SamplingParams field → the name in this body (error messages)
 
 def vllm_routes() -> APIRouter:
     router = APIRouter()
+    transfer = TransferSession()
+    router.include_router(transfer_routes(transfer))
 
     @router.post("/inference/v1/generate", openapi_extra=json_body(GenerateReq))
     async def generate(request: Request) -> Response:
@@ -137,9 +137,9 @@ def vllm_routes() -> APIRouter:
         st = get_state(request)
         req = decode_body(await request.body(), UpdateWeightsReq)
         if req.update_info is not None:
-            raise ParamError("update_info", "vLLM's weight-transfer engine is not served: send "
-                             "the weights through /init_weights_update_group and "
-                             "/update_weights_from_distributed, or a directory as weight_dir")
+            if req.weight_dir is not None:
+                raise ParamError("weight_dir", "give weight_dir or update_info, not both")
+            return await receive(st, transfer, req.update_info)
         if not req.weight_dir:
             raise ParamError("weight_dir", "give the checkpoint directory to load")
         return await _load(st, req.weight_dir, "weight_dir")
