@@ -1,10 +1,13 @@
 """Tool calls on chat completions: the tools rendered by the chat template, the answer parsed
 (Hermes ``<tool_call>`` blocks, Llama 3 JSON) into ``tool_calls`` whole and streamed, tool
 results sent back as ``role: tool``; driven by the official SDK against tiny models trained to
-call a tool."""
+call a tool, under own templates of both formats and the real Qwen2.5 and Llama 3.2 templates
+(as TRL ships them: those need trl, required in CI); the default model through the whole
+route with forced calls. Constrained decoding: forced calls and structured outputs."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -13,10 +16,11 @@ import openai
 import pytest
 import transformers
 
-from tests.harness import Served, serve
+from tests.harness import Served, serve, skip_unless_required
 from tests.tool_model import (
     ASK,
     ASK_TWO,
+    FAMILIES,
     HELLO,
     HELLO_ANSWER,
     HERMES_TEMPLATE,
@@ -79,6 +83,10 @@ def test_the_parser_is_picked_by_the_chat_template() -> None:
     assert template_parser({"default": "x", "tool_use": HERMES_TEMPLATE}) == "hermes"
     assert template_parser("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert template_parser(None) is None
+    real = {name: fam for name, fam in FAMILIES.items() if fam.real}
+    if importlib.util.find_spec("trl") is not None:
+        for fam in real.values():  # the real templates show their formats
+            assert template_parser(fam.template_text()) == fam.fmt
     assert resolve_parser("auto", HERMES_TEMPLATE) == "hermes"
     assert resolve_parser("llama3_json", HERMES_TEMPLATE) == "llama3_json"
     assert resolve_parser("none", HERMES_TEMPLATE) is None
@@ -87,9 +95,12 @@ def test_the_parser_is_picked_by_the_chat_template() -> None:
 # ---- served -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["hermes", "llama3_json"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def tool_served(request, tmp_path_factory) -> Iterator[Served]:
     """A server (auto parser) on a model of the family, trained to call get_weather."""
+    if FAMILIES[request.param].real and importlib.util.find_spec("trl") is None:
+        skip_unless_required("the real templates come with trl (bash scripts/install.sh "
+                             "--trl)", "TLT_REQUIRE_TRL")
     model = make_tool_model(tmp_path_factory.mktemp("tools") / request.param, request.param)
     s = serve(model, max_model_len=1024)
     yield s
@@ -334,3 +345,31 @@ def test_auto_needs_a_parser(http) -> None:
     r = http.post("/v1/chat/completions",
                   json={"messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3})
     assert r.status_code == 200
+
+
+def test_the_default_model_through_the_whole_route() -> None:
+    """The embedded default model (its template shows no tool format) with
+    ``--tool-call-parser hermes``: forced calls come back parsed, whole and streamed."""
+    from tlt_serve.models.provision import resolve_model_path
+
+    s = serve(resolve_model_path("smollm2-135m"), max_model_len=1024,
+              server_kw={"tool_call_parser": "hermes"})
+    try:
+        sdk = openai.OpenAI(base_url=s.base_url + "/v1", api_key="-", max_retries=0)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice in ("required", named):
+            kw = {"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
+            whole = _chat(sdk, ASK, **kw).choices[0]
+            calls = _calls(whole.message.tool_calls)
+            assert len(calls) == 1 and calls[0][0] in ("get_weather", "get_time"), whole
+            stream = _chat(sdk, ASK, stream=True, **kw)
+            told = [tc for c in stream for ch in c.choices for tc in ch.delta.tool_calls or []]
+            assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in told] == \
+                calls
+        with s.http() as http:  # 'auto' is served: the parser was named at start
+            r = http.post("/v1/chat/completions",
+                          json={"messages": ASK, "tools": TOOLS, "max_tokens": 8})
+        assert r.status_code == 200, r.text
+    finally:
+        s.stop()
+

@@ -135,11 +135,26 @@ def answered() -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Family:
+    """A chat template (its text, or the name of a real one TRL ships), the tool-call format it
+    shows, the tokens it needs (special: skipped in text unless asked for; added: plain
+    text, as Qwen's ``<tool_call>``) and its end-of-turn token."""
+
     template: str
-    specials: tuple[str, ...]  # call markers added to the vocabulary as special tokens
+    fmt: str  # hermes | llama3_json
+    specials: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    eos: str = "<|im_end|>"
+    real: bool = False  # template names a file of trl/chat_templates
+
+    def template_text(self) -> str:
+        if not self.real:
+            return self.template
+        import trl
+
+        return (Path(trl.__file__).parent / "chat_templates" / self.template).read_text()
 
     def call_text(self, *cities: str) -> str:
-        if self.template is HERMES_TEMPLATE:
+        if self.fmt == "hermes":
             return "\n".join(
                 '<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps({"city": c})
                 + "}\n</tool_call>" for c in cities
@@ -150,9 +165,16 @@ class Family:
         )
 
 
+LLAMA_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                  "<|python_tag|>")
 FAMILIES = {
-    "hermes": Family(HERMES_TEMPLATE, ("<tool_call>", "</tool_call>")),
-    "llama3_json": Family(LLAMA_TEMPLATE, ()),
+    "hermes": Family(HERMES_TEMPLATE, "hermes", specials=("<tool_call>", "</tool_call>")),
+    "llama3_json": Family(LLAMA_TEMPLATE, "llama3_json"),
+    # the real templates of the two families, as their tokenizers ship them
+    "qwen2_5": Family("qwen2_5.jinja", "hermes", added=("<tool_call>", "</tool_call>"),
+                      real=True),
+    "llama3_2": Family("llama3_2.jinja", "llama3_json", specials=LLAMA_SPECIALS,
+                       eos="<|eot_id|>", real=True),
 }
 
 
@@ -186,7 +208,9 @@ def make_tool_model(out: Path, family: str, extra: list[Lesson] | None = None,
     make_tiny_model(out, "llama", seed=0)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     tok.add_special_tokens({"additional_special_tokens": list(fam.specials)})
-    tok.chat_template = fam.template
+    tok.add_tokens(list(fam.added))
+    tok.chat_template = fam.template_text()
+    tok.eos_token = fam.eos
     lessons = [
         (ASK, TOOLS, fam.call_text("Paris")),
         (ASK_TWO, TOOLS, fam.call_text("Paris", "Rome")),
@@ -196,7 +220,8 @@ def make_tool_model(out: Path, family: str, extra: list[Lesson] | None = None,
     ]
     model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
     model.resize_token_embeddings(len(tok))
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    eos = tok.convert_tokens_to_ids(fam.eos)
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
     seqs = []
     for messages, tools, answer in lessons:
         prompt = render(tok, messages, tools)
