@@ -301,6 +301,12 @@ def test_constrained_output_is_the_same_with_speculation(tiny_model_dir) -> None
     for a, b in zip(plain, spec, strict=True):
         assert a.samples[0].token_ids == b.samples[0].token_ids
     assert json.loads(plain[0].samples[0].text)["tag"] in ("a", "bb")
+    from tlt_serve.sampling_params import ParamError
+
+    llm = make_llm(tiny_model_dir)
+    with pytest.raises(ParamError, match="json_schema"):  # the offline API, unchecked before
+        llm.generate(["Hi"], SamplingParams(json_schema='{"type": "nonsense"}'))
+    assert llm.generate(["Hi"], SamplingParams(max_new_tokens=3))[0].samples[0].token_ids
 
 
 @pytest.mark.parametrize(("body", "field"), [

@@ -46,13 +46,18 @@ class Grammars:
         self._compiler: Any = None
 
     def matcher(self, schema: str) -> Any:
+        """A new matcher of ``schema``; ParamError where it is not a schema xgrammar takes
+        (the front ends check first; the offline API does not)."""
         import xgrammar
 
         if self._compiler is None:
             info = xgrammar.TokenizerInfo.from_huggingface(self.hf, vocab_size=self.vocab_size)
             self._compiler = xgrammar.GrammarCompiler(info)
             self._compiled = lru_cache(maxsize=64)(self._compile)
-        return xgrammar.GrammarMatcher(self._compiled(schema))
+        try:
+            return xgrammar.GrammarMatcher(self._compiled(schema))
+        except (RuntimeError, ValueError) as err:
+            raise ParamError("json_schema", f"cannot be compiled to a grammar: {err}") from err
 
     def _compile(self, schema: str) -> Any:
         return self._compiler.compile_json_schema(schema, any_whitespace=False)
