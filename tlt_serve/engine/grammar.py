@@ -43,23 +43,25 @@ class Grammars:
     def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
         self.hf = hf_tokenizer
         self.vocab_size = vocab_size
-        self._compiler: Any = None
+        self._compiler: Any = None  # built on the first schema (xgrammar imported then)
+        self._compiled = lru_cache(maxsize=64)(self._compile)
 
     def matcher(self, schema: str) -> Any:
         """A new matcher of ``schema``; ParamError where it is not a schema xgrammar takes
         (the front ends check first; the offline API does not)."""
         import xgrammar
 
-        if self._compiler is None:
-            info = xgrammar.TokenizerInfo.from_huggingface(self.hf, vocab_size=self.vocab_size)
-            self._compiler = xgrammar.GrammarCompiler(info)
-            self._compiled = lru_cache(maxsize=64)(self._compile)
         try:
             return xgrammar.GrammarMatcher(self._compiled(schema))
         except (RuntimeError, ValueError) as err:
             raise ParamError("json_schema", f"cannot be compiled to a grammar: {err}") from err
 
     def _compile(self, schema: str) -> Any:
+        import xgrammar
+
+        if self._compiler is None:
+            info = xgrammar.TokenizerInfo.from_huggingface(self.hf, vocab_size=self.vocab_size)
+            self._compiler = xgrammar.GrammarCompiler(info)
         return self._compiler.compile_json_schema(schema, any_whitespace=False)
 
 

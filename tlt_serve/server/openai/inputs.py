@@ -86,11 +86,10 @@ def chat_job(
         req, info, len(ids), limit, req.logprobs, req.top_logprobs or 0,
         {"max_new_tokens": field}, req.prompt_logprobs,
     )
-    if tools.parser in ("hermes", "llama3_json"):
-        # a template's call markers may be special tokens: the parser must see them
-        params = replace(params, skip_special_tokens=False)
-    if schema is not None:
-        params = replace(params, json_schema=schema)
+    # a template's call markers may be special tokens: its parser must see them
+    markers = tools.parser in ("hermes", "llama3_json")
+    params = replace(params, json_schema=schema,
+                     skip_special_tokens=params.skip_special_tokens and not markers)
     return Job(new_rid(), ids, params), tools
 
 

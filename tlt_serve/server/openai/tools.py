@@ -212,14 +212,12 @@ class Llama3JsonParser:
                 return told
             try:
                 obj, end = self.decoder.raw_decode(rest)
+                call = _call(obj)
             except json.JSONDecodeError:
-                if final or not rest.startswith("{"):
-                    self.mode = "text"
-                    told.content += self.buf
-                    self.buf = ""
-                return told  # else: the object is still being written
-            call = _call(obj)
-            if call is None:
+                if not final and rest.startswith("{"):
+                    return told  # the object is still being written
+                call = None
+            if call is None:  # the rest of the answer is text
                 self.mode = "text"
                 told.content += self.buf
                 self.buf = ""
