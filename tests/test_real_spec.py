@@ -108,6 +108,13 @@ def test_speculation_switches_off_when_a_crowd_joins_and_back_on_in_its_tail(
     eng = make(spec_for(proposer, drafter_dir, max_batch=2)).engine
     run = run_staged(eng, prompts, params(), join_at=4)
     assert run.ids(len(prompts)) == ref
-    assert_switched_on_off_on(run, max_batch=2)
+    if proposer == "auto":
+        # auto measures plain decoding first in each batch-size bucket and explores within a
+        # budget of what it has run (tests/test_spec_policy.py): a handful of steps alone is
+        # too short for it to be sure speculation pays; here its hard switch above max_batch
+        assert run.speculated and not any(
+            s for s, n in zip(run.speculated, run.running, strict=True) if n > 2)
+    else:
+        assert_switched_on_off_on(run, max_batch=2)
+        assert eng.stats.spec.accepted > 0
     assert eng.stats.prefill_steps == plain_eng.stats.prefill_steps
-    assert eng.stats.spec.accepted > 0

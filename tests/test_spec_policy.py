@@ -26,7 +26,8 @@ def test_fixed_strategy_has_one_arm_and_no_exploration() -> None:
 
 def test_tries_every_arm_then_exploits_the_best_median_per_bucket() -> None:
     arms = [PLAIN, NGRAM4, DRAFT4]
-    bandit = StrategyBandit(arms, max_batch=64, epsilon=0.0, min_trials=3)
+    bandit = StrategyBandit(arms, max_batch=64, epsilon=0.0, min_trials=3, budget=1.0,
+                             prune=0.0)  # every arm owed its trials, whatever they cost
     speed = {
         1: {PLAIN: 30.0, NGRAM4: 45.0, DRAFT4: 80.0},
         32: {PLAIN: 900, NGRAM4: 700, DRAFT4: 600},
@@ -90,13 +91,16 @@ def test_explores_the_arm_tried_least_recently() -> None:
 
 def test_idle_proposers_arms_are_not_candidates_and_learn_only_when_drafting() -> None:
     arms = [PLAIN, NGRAM4, DRAFT4]
-    bandit = StrategyBandit(arms, max_batch=8, epsilon=0.0, min_trials=2)
+    bandit = StrategyBandit(arms, max_batch=8, epsilon=0.0, min_trials=2, budget=1.0, prune=0.0)
     idle = ("ngram",)
     tried = [bandit.choose(1, idle) for _ in range(4)]
     assert NGRAM4 not in tried  # n-gram has no drafts: its arm would be a plain step
-    assert tried[:2] == [DRAFT4, DRAFT4]  # speculative arms are tried before plain decoding
-    for arm, speed in ((PLAIN, 30), (PLAIN, 30), (DRAFT4, 20), (DRAFT4, 20)):
+    assert tried == [PLAIN, PLAIN, PLAIN, PLAIN]  # plain decoding, the yardstick, first
+    for arm, speed in ((PLAIN, 30), (PLAIN, 30)):
         bandit.update(1, arm, speed, 1.0)
+    assert [bandit.choose(1, idle), bandit.choose(1, idle)] == [DRAFT4, DRAFT4]
+    for _ in range(2):
+        bandit.update(1, DRAFT4, 20, 1.0)
     assert bandit.choose(1, idle) == PLAIN
     # When n-gram drafts, its arm is tried, measured on those steps alone, and can win there;
     # the other arms keep what they measured (their speed does not depend on n-gram).
@@ -107,6 +111,57 @@ def test_idle_proposers_arms_are_not_candidates_and_learn_only_when_drafting() -
     assert bandit.choose(1, idle) == PLAIN
     assert bandit.table() == {"1": {"none": 30.0, "ngram:4": 60.0, "drafter:4": 20.0}}
     assert StrategyBandit([NGRAM4], max_batch=8).choose(1, idle) == NGRAM4  # fixed: no choice
+
+
+def _simulate(speeds: dict[Strategy, float], steps: int, batch: int, seed: int = 0,
+              noise: float = 0.2) -> tuple[float, list[Strategy]]:
+    """``steps`` steps of one bucket, each committing ``batch`` tokens at its arm's speed
+    (tokens/s) with log-normal noise: total seconds and the arms chosen."""
+    bandit = StrategyBandit(list(speeds), max_batch=8, seed=seed)
+    rng = random.Random(seed + 1)
+    total, chosen = 0.0, []
+    for _ in range(steps):
+        arm = bandit.choose(batch)
+        seconds = batch / (speeds[arm] * rng.lognormvariate(0.0, noise))
+        bandit.update(batch, arm, batch, seconds)
+        total += seconds
+        chosen.append(arm)
+    return total, chosen
+
+
+# Arm speeds (tokens/s) at batch 4-8 on a CPU: every speculative arm loses, by 25-60%.
+LOSING = {PLAIN: 160.0, Strategy("suffix", 8, min_prob=0.6): 125.0,
+          Strategy("suffix", 8, min_prob=0.3): 120.0, Strategy("suffix", 8, min_prob=0.1): 110.0,
+          Strategy("drafter", 2): 85.0, DRAFT4: 65.0, Strategy("suffix+drafter", 2): 90.0,
+          Strategy("suffix+drafter", 4): 70.0}
+
+
+def test_exploration_where_every_arm_loses_costs_at_most_its_budget() -> None:
+    """Eight arms, seven of them losers: a short run (128 steps, a benchmark's batch) and a
+    long one lose at most ~3% against plain decoding throughout (trying every arm three
+    times, as before, cost ~20% of a 128-step run)."""
+    for steps in (128, 2000):
+        for seed in range(5):
+            total, chosen = _simulate(LOSING, steps, batch=4, seed=seed, noise=0.0)
+            plain = steps * 4 / LOSING[PLAIN]
+            assert total / plain <= 1.035, (steps, seed, total / plain)
+            assert chosen[:3] == [PLAIN] * 3
+
+
+def test_a_winning_arm_is_found_and_pays_for_the_others_trials() -> None:
+    """At batch 1 where one arm runs at 1.3x plain: an arm ahead after its first trial is
+    confirmed before others are tried, then its wins fund their trials; first among the arms
+    (the most cautious suffix chain, as configured) or last (behind seven losers)."""
+    for winner in (Strategy("suffix", 8, min_prob=0.6), DRAFT4):
+        speeds = dict(LOSING) | {winner: 208.0}
+        for seed in range(5):
+            total, chosen = _simulate(speeds, 1000, batch=1, seed=seed)
+            assert all(chosen.count(a) >= 1 for a in speeds)  # every arm measured
+            assert chosen[500:].count(winner) / 500 >= 0.85
+            assert (1000 / speeds[PLAIN]) / total >= 1.08  # ahead over the whole run
+            if winner.proposer == "suffix":
+                first = chosen[:128]
+                assert (128 / speeds[PLAIN]) / sum(1 / speeds[a] for a in first) >= 1.05
 
 
 def test_steady_state_exploration_tax_is_small_under_noise() -> None:

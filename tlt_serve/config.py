@@ -123,8 +123,9 @@ class SpecConfig:
     # pays. A suffix draft stops below suffix_min_prob x the batch size under a fixed
     # --speculative suffix (a verified row costs ~1 ms in the own kernels at any batch size,
     # benchmarks.kernels rows, while a plain step grows far slower than the batch), and
-    # below suffix_min_prob under auto (whose arms' cuts are the price).
-    suffix_chains: tuple[tuple[int, float], ...] = ((8, 0.1), (8, 0.3), (8, 0.6))
+    # below suffix_min_prob under auto (whose arms' cuts are the price). Most cautious first:
+    # the policy tries arms in this order.
+    suffix_chains: tuple[tuple[int, float], ...] = ((8, 0.6), (8, 0.3), (8, 0.1))
     suffix_trees: tuple[tuple[int, int, int], ...] = ()
     suffix_min_prob: float = 0.1
     # A drafter chain stops where the product of its drafts' probabilities (the drafter's own
