@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 from tlt_serve.speculative.policy import PLAIN, Strategy, StrategyBandit
 
@@ -41,10 +42,34 @@ def test_tries_every_arm_then_exploits_the_best_median_per_bucket() -> None:
         assert sorted(tried) == sorted(arms * 3)  # each explored min_trials times first
     assert bandit.choose(1) == DRAFT4
     assert bandit.choose(32) == PLAIN  # large batches: learned that speculation loses
-    # An outlier does not flip a median.
-    bandit.update(1, NGRAM4, tokens=10_000, seconds=1.0)
-    assert bandit.choose(1) == DRAFT4
     assert bandit.table()["1"] == {"none": 30.0, "ngram:4": 45.0, "drafter:4": 80.0}
+    # A step the host preempted (50x as slow) costs the arm at most 16x its median step:
+    # 4 x 80 tokens in 3 + 16 seconds.
+    bandit.update(1, DRAFT4, tokens=80, seconds=50.0)
+    assert bandit.table()["1"]["drafter:4"] == round(320 / 19, 1)
+    assert bandit.choose(1) == NGRAM4  # until the window's other steps outweigh it
+    for _ in range(40):
+        bandit.update(1, DRAFT4, tokens=80, seconds=1.0)
+    assert bandit.choose(1) == DRAFT4
+
+
+def test_values_are_per_sequence_and_count_rare_slow_steps() -> None:
+    """A bucket spans batch sizes 5-8: plain decoding measured at 8 sequences and an arm at 5
+    compare per sequence. An arm fast on most steps but slow on every fourth (a drafter
+    catching up) is valued by what it yields in all (a median of per-step rates ranked it
+    first)."""
+    catching = Strategy("drafter", 2)
+    bandit = StrategyBandit([PLAIN, catching], max_batch=8, epsilon=0.0, min_trials=4,
+                            budget=1.0, prune=0.0)
+    for _ in range(4):
+        bandit.update(8, PLAIN, tokens=8, seconds=0.1)  # 10 tokens/s per sequence
+    for seconds in (0.1, 0.1, 0.1, 0.35):  # 2 tokens per sequence a step: 8 in 0.65 s
+        bandit.update(5, catching, tokens=10, seconds=seconds)
+    assert bandit.table()["5-8"] == {"none": 10.0, "drafter:2": round(8 / 0.65, 1)}
+    assert bandit.choose(6) == catching
+    bandit.update(5, catching, tokens=10, seconds=0.4)  # the next catch-up, longer still
+    assert bandit.table()["5-8"]["drafter:2"] == round(10 / 1.05, 1)  # under plain's 10
+    assert bandit.choose(6) == PLAIN
 
 
 def test_epsilon_explores_with_a_seeded_stream() -> None:
@@ -64,7 +89,8 @@ def test_epsilon_explores_with_a_seeded_stream() -> None:
 
 def test_exploration_decays_to_its_floor() -> None:
     bandit = StrategyBandit(
-        [PLAIN, NGRAM4], max_batch=8, epsilon=0.4, epsilon_min=0.02, decay_steps=100, min_trials=1
+        [PLAIN, NGRAM4], max_batch=8, epsilon=0.4, epsilon_min=0.02, decay_steps=100,
+        min_trials=1, refresh=10**9,  # ε alone: plain decoding not re-measured on a clock
     )
     assert bandit.epsilon_at(0) == 0.4
     assert abs(bandit.epsilon_at(100) - 0.2) < 1e-12
@@ -151,17 +177,42 @@ def test_exploration_where_every_arm_loses_costs_at_most_its_budget() -> None:
 def test_a_winning_arm_is_found_and_pays_for_the_others_trials() -> None:
     """At batch 1 where one arm runs at 1.3x plain: an arm ahead after its first trial is
     confirmed before others are tried, then its wins fund their trials; first among the arms
-    (the most cautious suffix chain, as configured) or last (behind seven losers)."""
+    (the most cautious suffix chain, as configured) or last (behind seven losers). Over five
+    noisy runs of 1000 steps none falls behind plain decoding and the typical one keeps most
+    of the 1.3x."""
     for winner in (Strategy("suffix", 8, min_prob=0.6), DRAFT4):
         speeds = dict(LOSING) | {winner: 208.0}
+        gains, adopted = [], []
         for seed in range(5):
             total, chosen = _simulate(speeds, 1000, batch=1, seed=seed)
             assert all(chosen.count(a) >= 1 for a in speeds)  # every arm measured
-            assert chosen[500:].count(winner) / 500 >= 0.85
-            assert (1000 / speeds[PLAIN]) / total >= 1.08  # ahead over the whole run
+            gains.append((1000 / speeds[PLAIN]) / total)
+            adopted.append(chosen[500:].count(winner) / 500)
             if winner.proposer == "suffix":
                 first = chosen[:128]
-                assert (128 / speeds[PLAIN]) / sum(1 / speeds[a] for a in first) >= 1.05
+                assert (128 / speeds[PLAIN]) / sum(1 / speeds[a] for a in first) >= 1.02
+        assert min(gains) >= 1.0 and statistics.median(gains) >= 1.12, gains
+        assert statistics.median(adopted) >= 0.85, adopted
+
+
+def test_an_arm_that_starts_losing_is_dropped() -> None:
+    """An arm at 1.3x plain for 500 steps, then at 0.7x (the rollout moved on to text its
+    drafts miss): within the next 500 steps the run loses at most a few percent."""
+    arm = Strategy("suffix", 8, min_prob=0.6)
+    for seed in range(5):
+        bandit = StrategyBandit([PLAIN, arm], max_batch=8, seed=seed)
+        rng = random.Random(seed + 1)
+        late, chosen = 0.0, []
+        for step in range(1000):
+            pick = bandit.choose(1)
+            speed = 100.0 if pick == PLAIN else (130.0 if step < 500 else 70.0)
+            seconds = 1 / (speed * rng.lognormvariate(0.0, 0.2))
+            bandit.update(1, pick, 1, seconds)
+            if step >= 500:
+                late += seconds
+                chosen.append(pick)
+        assert late / (500 / 100.0) <= 1.06, (seed, late / 5.0)  # vs plain throughout
+        assert chosen[100:].count(arm) / 400 <= 0.1
 
 
 def test_steady_state_exploration_tax_is_small_under_noise() -> None:

@@ -4,16 +4,20 @@ A strategy is (proposer, depth), for trees also top-k and budget, for suffix cha
 estimated acceptance below which a chain is cut (a verified row costs more at a larger batch,
 so each bucket learns its own price). Under ``--speculative auto``, ``none`` (plain decoding)
 is one of the arms, so the bandit itself learns where speculation stops paying; a fixed method
-has one arm (its proposer at ``num_draft_tokens``) and no learning. Reward = tokens committed
-per second of the step (drafting + verify + acceptance, as the engine measured it). Per bucket
-the policy is ε-greedy over the MEDIAN reward of each arm's recent ``window`` steps (robust to
-the noisy, shared CPU), among arms measured ``min_trials`` times. Above ``max_batch`` running
-sequences nothing speculates (a hard switch, no exploration cost at large batches).
+has one arm (its proposer at ``num_draft_tokens``) and no learning. An arm's value = tokens
+committed per second per running sequence over its recent ``window`` steps (drafting + verify +
+acceptance, as the engine measured them): a ratio of sums, so the rare slow steps of an arm
+count (a drafter catching up over a new turn's prompt; a median of per-step rates hid them and
+ranked arms that lost on the whole above plain decoding), with each step's seconds capped at
+16x the window's median (a step the shared host preempted for long is not the arm's price); per
+sequence, as a bucket spans several batch sizes. Per bucket the policy is ε-greedy over these
+values, among arms measured ``min_trials`` times. Above ``max_batch`` running sequences nothing
+speculates (a hard switch, no exploration cost at large batches).
 
 Proposers that are known to have no drafts this step are ``idle`` and their arms are not
 candidates. The n-gram proposer is free to ask and most steps it has nothing (it drafts on a
 fifth of the steps at batch 1 on the benchmark's chat prompts): an n-gram arm chosen then would
-run a plain step, its median reward would be a plain step's, and the steps where it does draft
+run a plain step, its value would be a plain step's, and the steps where it does draft
 would never decide anything. Asked first (``SpecDecoder``), its arms are chosen only when it
 drafts and are measured only on those steps; the other arms' speeds do not depend on it and
 are shared.
@@ -28,11 +32,17 @@ trials and the policy runs plain decoding, costing at most ~``budget``; where an
 (batch 1) its wins fund the trials of the others. Trials go to an arm ahead of plain so far
 first (a winner is confirmed, then exploited), then to each arm once before any twice; an arm
 slower than ``prune`` x plain in its better of two trials is owed no more (ε may still
-re-measure it). A step books at most two plain steps' loss (a first use's one-off costs, such
-as a drafter catching up over a long prompt, are not an arm's price).
+re-measure it).
+
+A speculative arm is exploited only while its value is ``margin`` above plain decoding's (at
+par, within the noise of a shared host, plain decoding is the safe choice) and the loss it
+booked itself is within the bucket's allowance (what the values misjudge stays bounded; the
+credit a winning arm books is capped at ``budget`` of the bucket's time), and plain decoding is
+re-measured every ``refresh`` steps of the bucket meanwhile: the host's speed drifts, and a
+yardstick measured in a slow spell made arms that lost look ahead.
 
 Exploration decays per bucket, ε = max(ε_min, ε · decay / (decay + steps)): it is needed while
-the medians are young and is a tax afterwards (an explored arm that loses costs up to 2x a plain
+the values are young and is a tax afterwards (an explored arm that loses costs up to 2x a plain
 step here); ε_min keeps re-measuring arms whose speed drifts (drafter swaps also ``forget``).
 An explored step takes the candidate tried least recently, so every arm stays fresh.
 
@@ -77,23 +87,57 @@ class Strategy:
 PLAIN = Strategy("none")
 
 
+class _Window:
+    """An arm's recent steps in one bucket: (tokens committed per running sequence, seconds)."""
+
+    def __init__(self, size: int) -> None:
+        self.steps: deque[tuple[float, float]] = deque(maxlen=size)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def add(self, tokens_per_seq: float, seconds: float) -> None:
+        self.steps.append((tokens_per_seq, seconds))
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    def median_seconds(self) -> float:
+        return statistics.median(s for _, s in self.steps)
+
+    def rate(self) -> float:
+        """Tokens per second per sequence over the window: a ratio of sums (what the arm
+        yields in the long run, its rare slow steps included: a drafter catching up over a
+        new turn's prompt), each step's seconds capped at ``SLOW_CAP`` x the window's median
+        (a step the host preempted for long is not the arm's price)."""
+        cap = SLOW_CAP * self.median_seconds()
+        return sum(t for t, _ in self.steps) / sum(min(s, cap) for _, s in self.steps)
+
+    def best(self) -> float:
+        """The fastest step's rate."""
+        return max(t / s for t, s in self.steps)
+
+
+SLOW_CAP = 16.0
+
+
 @dataclass
 class _Bucket:
     """What one batch-size bucket has measured."""
 
     arms: list[Strategy]
     window: int
-    rewards: dict[Strategy, deque[float]] = field(init=False)
+    rewards: dict[Strategy, _Window] = field(init=False)
     tried_at: dict[Strategy, int] = field(init=False)  # step of each arm's last trial
-    plain_seconds: deque[float] = field(init=False)  # recent plain steps' durations
     steps: int = 0
     elapsed: float = 0.0  # seconds of every step measured here
     lost: float = 0.0  # seconds speculative steps lost against plain decoding (< 0: won)
+    arm_lost: dict[Strategy, float] = field(init=False)  # the same per arm, credit capped
 
     def __post_init__(self) -> None:
-        self.rewards = {a: deque(maxlen=self.window) for a in self.arms}
+        self.rewards = {a: _Window(self.window) for a in self.arms}
         self.tried_at = {a: -1 for a in self.arms}
-        self.plain_seconds = deque(maxlen=self.window)
+        self.arm_lost = {a: 0.0 for a in self.arms}
 
 
 class StrategyBandit:
@@ -102,7 +146,7 @@ class StrategyBandit:
         arms: list[Strategy],
         max_batch: int,
         epsilon: float = 0.1,
-        window: int = 64,
+        window: int = 32,
         min_trials: int = 3,
         seed: int = 0,
         epsilon_min: float = 0.02,
@@ -110,12 +154,15 @@ class StrategyBandit:
         budget: float = 0.015,
         grace: float = 0.5,
         prune: float = 0.8,
+        margin: float = 0.1,
+        refresh: int = 24,
     ) -> None:
         self.arms = list(dict.fromkeys(arms))  # empty: always plain; one arm: fixed strategy
         self.max_batch = max_batch
         self.epsilon, self.epsilon_min, self.decay_steps = epsilon, epsilon_min, decay_steps
         self.min_trials = min_trials
         self.budget, self.grace, self.prune = budget, grace, prune
+        self.margin, self.refresh = margin, refresh
         self._rng = random.Random(seed)
         self._buckets = [_Bucket(self.arms, window) for _ in range(len(BUCKETS) + 1)]
 
@@ -145,7 +192,14 @@ class StrategyBandit:
         measured = [a for a in candidates if len(b.rewards.get(a, ())) >= self.min_trials]
         if not measured:
             return self._tried(b, PLAIN if PLAIN in b.rewards else candidates[0])
-        best = max(measured, key=lambda a: statistics.median(b.rewards[a]))
+        best = max(measured, key=lambda a: b.rewards[a].rate())
+        plain = b.rewards.get(PLAIN)
+        if plain and best != PLAIN:
+            if (b.rewards[best].rate() < (1 + self.margin) * plain.rate()
+                    or b.arm_lost[best] > self._allowance(b)):
+                best = PLAIN  # speculation must win clearly, and what it lost stays bounded
+            elif b.steps - b.tried_at[PLAIN] >= self.refresh:
+                return self._tried(b, PLAIN)  # the yardstick kept fresh (the host drifts)
         others = [a for a in candidates if a != best and (affordable or a == PLAIN)]
         if others and self._rng.random() < self.epsilon_at(b.steps):
             return self._tried(b, min(others, key=lambda a: b.tried_at[a]))
@@ -154,30 +208,41 @@ class StrategyBandit:
     def _promising(self, b: _Bucket, arm: Strategy) -> bool:
         """Whether an arm is owed a trial: measured fewer than ``min_trials`` times and, after
         two trials, the better one not slower than ``prune`` x plain decoding (one trial can
-        carry an arm's one-off costs: a drafter's first catch-up over a whole prompt)."""
+        carry an arm's one-off costs: a drafter's first catch-up over a whole prompt); or
+        ahead of plain decoding but not by ``margin`` after them (up to twice as many)."""
         seen = b.rewards.get(arm)
-        if seen is None or len(seen) >= self.min_trials:
+        if seen is None or arm == PLAIN:
             return False
         plain = b.rewards.get(PLAIN)
-        if len(seen) < 2 or not plain:
+        if not plain:
+            return len(seen) < self.min_trials
+        if len(seen) >= self.min_trials:  # ahead of plain but not by the margin: more trials
+            return (len(seen) < 2 * self.min_trials
+                    and plain.rate() < seen.rate() < (1 + self.margin) * plain.rate())
+        if len(seen) < 2:
             return True
-        return max(seen) >= self.prune * statistics.median(plain)
+        return seen.best() >= self.prune * plain.rate()
 
     @staticmethod
     def _ahead(b: _Bucket, arm: Strategy) -> bool:
-        """Whether an arm's trials so far beat plain decoding's median."""
+        """Whether an arm's trials so far beat plain decoding."""
         seen, plain = b.rewards.get(arm), b.rewards.get(PLAIN)
         if not seen or not plain or arm == PLAIN:
             return False
-        return statistics.median(seen) > statistics.median(plain)
+        return seen.rate() > plain.rate()
 
     def _affordable(self, b: _Bucket) -> bool:
         """Whether a bucket may try a speculative arm: what speculation lost there is within
         ``budget`` of its time plus ``grace`` plain steps (no yardstick: always)."""
-        if not b.plain_seconds:
-            return True
-        allowance = self.budget * b.elapsed + self.grace * statistics.median(b.plain_seconds)
-        return b.lost <= allowance
+        return b.lost <= self._allowance(b)
+
+    def _allowance(self, b: _Bucket) -> float:
+        """Seconds speculation may lose against plain decoding in a bucket (no yardstick yet:
+        any)."""
+        plain = b.rewards.get(PLAIN)
+        if not plain:
+            return float("inf")
+        return self.budget * b.elapsed + self.grace * plain.median_seconds()
 
     @staticmethod
     def _tried(b: _Bucket, arm: Strategy) -> Strategy:
@@ -186,20 +251,24 @@ class StrategyBandit:
         return arm
 
     def update(self, batch_size: int, arm: Strategy, tokens: int, seconds: float) -> None:
+        """A step of ``batch_size`` sequences ran ``arm`` and committed ``tokens`` in
+        ``seconds``."""
         if batch_size > self.max_batch or seconds <= 0:
             return
         b = self._buckets[bucket_of(batch_size)]
         window = b.rewards.get(arm)
         if window is None:
             return
+        per_seq = tokens / batch_size  # rates per sequence: a bucket spans several batch sizes
         b.elapsed += seconds
-        if arm == PLAIN:
-            b.plain_seconds.append(seconds)
-        elif b.rewards.get(PLAIN) and b.plain_seconds:
-            # at most two plain steps a step: a first use's one-off costs are not its price
-            cap = 2 * statistics.median(b.plain_seconds)
-            b.lost += min(cap, seconds - tokens / statistics.median(b.rewards[PLAIN]))
-        window.append(tokens / seconds)
+        plain = b.rewards.get(PLAIN)
+        if arm != PLAIN and plain:
+            cap = SLOW_CAP * plain.median_seconds()  # as in the values: preemption is not
+            loss = min(cap, seconds - per_seq / plain.rate())
+            b.lost += loss
+            # each arm's own record bounds its exploitation; the credit it earns is capped
+            b.arm_lost[arm] = max(b.arm_lost[arm] + loss, -self.budget * b.elapsed)
+        window.add(per_seq, seconds)
 
     def forget(self, proposer: str) -> None:
         """Drop the measurements of ``proposer``'s arms (e.g. its model changed)."""
@@ -209,10 +278,11 @@ class StrategyBandit:
                     window.clear()
 
     def table(self) -> dict[str, dict[str, float]]:
-        """Median reward (tokens/s) per bucket and arm, for /get_server_info and benchmarks."""
+        """Tokens/s per running sequence per bucket and arm (over each arm's window), for
+        /get_server_info and benchmarks."""
         out: dict[str, dict[str, float]] = {}
         for i in range(bucket_of(self.max_batch) + 1):
-            seen = {str(a): statistics.median(r) for a, r in self._buckets[i].rewards.items() if r}
+            seen = {str(a): w.rate() for a, w in self._buckets[i].rewards.items() if w}
             if seen:
                 out[bucket_name(i)] = {a: round(v, 1) for a, v in seen.items()}
         return out
