@@ -87,38 +87,49 @@ class Strategy:
 PLAIN = Strategy("none")
 
 
+SLOW_CAP = 16.0  # a step counts at most this many times its arm's median step
+
+
 class _Window:
-    """An arm's recent steps in one bucket: (tokens committed per running sequence, seconds)."""
+    """An arm's recent steps in one bucket: (tokens committed per running sequence, seconds);
+    its figures are computed once per step added (the policy reads them many times a step)."""
 
     def __init__(self, size: int) -> None:
         self.steps: deque[tuple[float, float]] = deque(maxlen=size)
+        self._figures: tuple[float, float, float] | None = None  # median s, rate, best
 
     def __len__(self) -> int:
         return len(self.steps)
 
     def add(self, tokens_per_seq: float, seconds: float) -> None:
         self.steps.append((tokens_per_seq, seconds))
+        self._figures = None
 
     def clear(self) -> None:
         self.steps.clear()
+        self._figures = None
+
+    def _computed(self) -> tuple[float, float, float]:
+        if self._figures is None:
+            median = statistics.median(s for _, s in self.steps)
+            cap = SLOW_CAP * median
+            rate = sum(t for t, _ in self.steps) / sum(min(s, cap) for _, s in self.steps)
+            self._figures = (median, rate, max(t / s for t, s in self.steps))
+        return self._figures
 
     def median_seconds(self) -> float:
-        return statistics.median(s for _, s in self.steps)
+        return self._computed()[0]
 
     def rate(self) -> float:
         """Tokens per second per sequence over the window: a ratio of sums (what the arm
         yields in the long run, its rare slow steps included: a drafter catching up over a
         new turn's prompt), each step's seconds capped at ``SLOW_CAP`` x the window's median
         (a step the host preempted for long is not the arm's price)."""
-        cap = SLOW_CAP * self.median_seconds()
-        return sum(t for t, _ in self.steps) / sum(min(s, cap) for _, s in self.steps)
+        return self._computed()[1]
 
     def best(self) -> float:
         """The fastest step's rate."""
-        return max(t / s for t, s in self.steps)
-
-
-SLOW_CAP = 16.0
+        return self._computed()[2]
 
 
 @dataclass
