@@ -20,6 +20,7 @@ from tlt_serve.backends.native.updates import EngineUpdates
 from tlt_serve.config import ConfigError, EngineConfig, SpecConfig
 from tlt_serve.contract.controls import ControlError
 from tlt_serve.speculative.checkpoint import DrafterError
+from tlt_serve.speculative.drafter_proposer import DrafterProposer
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +171,8 @@ def test_auto_asks_suffix_first_and_never_chooses_it_without_drafts(
     seen = []
     choose = policy.choose
 
-    def spy(batch_size, idle=()):  # type: ignore[no-untyped-def]
-        arm = choose(batch_size, idle)
+    def spy(batch_size, idle=(), upfront=None):  # type: ignore[no-untyped-def]
+        arm = choose(batch_size, idle, upfront)
         seen.append((tuple(idle), arm))
         return arm
 
@@ -623,3 +624,22 @@ def test_a_weight_update_discounts_the_suffix_history(tiny_model_dir) -> None:
     assert weights() == {suffix.config.stale_weight}
     again = llm.generate(PROMPTS, params)  # the same weights: stale drafts still exact
     assert [o.samples[0].token_ids for o in again] == [r.samples[0].token_ids for r in plain]
+
+
+def test_the_drafter_knows_what_its_catch_up_costs(tiny_model_dir, drafters) -> None:
+    """A catch-up over a long prompt measures the drafter's cost per pair (on a CPU); what a
+    step would spend catching up is that times the pairs it has not seen, which auto weighs a
+    trial of the drafter's arms by (speculative/policy.py)."""
+    spec = SpecConfig(method="drafter", drafter=str(drafters["plain"]), min_draft_confidence=0.0)
+    llm = make_llm(tiny_model_dir, spec, max_len=512)
+    drafter = llm.engine.spec.proposers["drafter"]
+    assert isinstance(drafter, DrafterProposer) and drafter.seconds_per_pair is None
+    ids = (llm.tokenizer.encode(" ".join(PROMPTS)) * 40)[:300]
+    llm.generate([ids], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    cost = drafter.seconds_per_pair
+    assert cost is not None and 0 < cost < 0.01  # a 300-pair catch-up, measured
+    eng = llm.engine
+    eng.add_request("r", ids[:200], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    eng.step()  # the prefill: a pair per prompt token (the last one with the first output)
+    req = eng.scheduler.running[0]
+    assert drafter.upfront_seconds([req]) == pytest.approx(200 * cost)

@@ -215,6 +215,24 @@ def test_an_arm_that_starts_losing_is_dropped() -> None:
         assert chosen[100:].count(arm) / 400 <= 0.1
 
 
+def test_a_trial_must_fit_what_the_arm_spends_before_drafting() -> None:
+    """A drafter arm whose trial would first catch the drafter up over long prompts (20 plain
+    steps' time) waits while the allowance is short of it; a suffix arm with nothing to pay
+    up front is tried meanwhile, and the drafter once the bucket's time has grown enough."""
+    suffix, drafter = Strategy("suffix", 8, min_prob=0.6), Strategy("drafter", 2)
+    bandit = StrategyBandit([PLAIN, suffix, drafter], max_batch=8, epsilon=0.0, prune=0.0)
+    upfront = {"drafter": 2.0}  # seconds; a plain step takes 0.1
+    picks = []
+    for _ in range(1500):
+        arm = bandit.choose(8, upfront=upfront)
+        bandit.update(8, arm, 8, 0.1)  # every arm at plain decoding's speed
+        picks.append(arm)
+    assert picks[:3] == [PLAIN] * 3 and picks[3] == suffix
+    first = picks.index(drafter)
+    # tried once 1.5% of the bucket's time covers the catch-up: 2 s / 0.015 = ~1300 steps
+    assert 1200 <= first <= 1400, first
+
+
 def test_steady_state_exploration_tax_is_small_under_noise() -> None:
     """Arm speeds as the engine's policy table measured them at batch 8 here (bf16, warm-up
     drafter; the drafter:2 figure between two runs' 70 and 97), each step's reward with 20%

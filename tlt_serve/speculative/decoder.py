@@ -108,7 +108,7 @@ class SpecDecoder:
         reqs = batch.forward
         free = self._free_first(reqs)
         idle = self._idle(free)
-        self._strategy = strategy = self.policy.choose(len(reqs), idle)
+        self._strategy = strategy = self.policy.choose(len(reqs), idle, self._upfront(reqs))
         if strategy.is_tree:
             proposer = self.proposers[strategy.proposer]
             assert isinstance(proposer, TreeProposer)  # config allows trees for these only
@@ -140,6 +140,15 @@ class SpecDecoder:
         if isinstance(proposer, SuffixDrafts):
             return proposer.propose_scored(reqs, ks)
         return [Draft(d, list(range(len(d))), [1.0] * len(d)) for d in proposer.propose(reqs, ks)]
+
+    def _upfront(self, reqs: list[Request]) -> dict[str, float]:
+        """Seconds the drafter's arms would spend catching up before drafting this step."""
+        p = self.proposers.get("drafter")
+        if (not isinstance(p, DrafterProposer) or len(self.policy.arms) < 2
+                or len(reqs) > self.policy.max_batch):
+            return {}
+        seconds = p.upfront_seconds(reqs)
+        return {"drafter": seconds, COMBINED: seconds}
 
     def _idle(self, free: list[Draft] | None) -> tuple[str, ...]:
         """Proposers whose arms would run a plain step: the free one without any draft (and

@@ -14,6 +14,7 @@ catch-up overwrites them before anything reads them (attention never reads past 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,6 +62,9 @@ class _State:
         return out
 
 
+LONG_CATCH_UP = 256  # pairs: a catch-up this long measures the cost of one
+
+
 class DrafterProposer:
     name = "drafter"
     needs_features = True
@@ -74,6 +78,17 @@ class DrafterProposer:
         self.device = str(weight.device)
         self.kv = KVCache(drafter.cfg, rows, max_len, weight.dtype, self.device)
         self._states: dict[str, _State] = {}
+        # Seconds a caught-up pair costs, from the last long catch-up on a CPU (None: not
+        # measured; on a GPU the launch returns before the work, so none is measured there)
+        self.seconds_per_pair: float | None = None
+
+    def upfront_seconds(self, reqs: Sequence[Request]) -> float:
+        """What drafting for ``reqs`` costs before its first draft: the catch-up over every
+        pair the drafter has not seen (a new turn's whole prompt), as last measured."""
+        if self.seconds_per_pair is None:
+            return 0.0
+        pending = sum(s.pending for r in reqs if (s := self._states.get(r.rid)) is not None)
+        return pending * self.seconds_per_pair
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -127,7 +142,7 @@ class DrafterProposer:
 
     def _catch_up(self, reqs: Sequence[Request]) -> torch.Tensor:
         """Run all pending pairs through the drafter; returns each row's last output [B, H]."""
-        starts, tokens, feats = [], [], []
+        t0, starts, tokens, feats = time.perf_counter(), [], [], []
         for r in reqs:
             st = self._states[r.rid]
             m = st.pending
@@ -141,7 +156,11 @@ class DrafterProposer:
         fb, ids = extend_batch(self.kv, reqs[0].row, starts, tokens, self.device)
         out = self.drafter(ids, padded.to(self.kv.storage.dtype), fb, self.kv.layers[0])
         lens = torch.tensor([len(t) for t in tokens], device=out.device)
-        return out[torch.arange(len(reqs), device=out.device), lens - 1]  # [B, H]
+        last = out[torch.arange(len(reqs), device=out.device), lens - 1]  # [B, H]
+        pairs = sum(len(t) for t in tokens)
+        if pairs >= LONG_CATCH_UP and out.device.type == "cpu":
+            self.seconds_per_pair = (time.perf_counter() - t0) / pairs
+        return last
 
     def release(self, req: Request) -> None:
         self._states.pop(req.rid, None)

@@ -55,7 +55,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from tlt_serve.engine.stats import BUCKETS, bucket_name, bucket_of
@@ -182,9 +182,12 @@ class StrategyBandit:
         decayed = self.epsilon * self.decay_steps / (self.decay_steps + steps)
         return max(self.epsilon_min, decayed)
 
-    def choose(self, batch_size: int, idle: Iterable[str] = ()) -> Strategy:
+    def choose(self, batch_size: int, idle: Iterable[str] = (),
+               upfront: Mapping[str, float] | None = None) -> Strategy:
         """The strategy for a step of ``batch_size`` rows; ``idle``: proposers known to have
-        no drafts this step (their arms would be plain steps)."""
+        no drafts this step (their arms would be plain steps); ``upfront``: seconds a
+        proposer would spend this step before drafting (a drafter catching up over a new
+        prompt), which a trial of its arms must fit in the allowance."""
         if batch_size > self.max_batch or not self.arms:
             return PLAIN
         if len(self.arms) == 1:
@@ -195,9 +198,10 @@ class StrategyBandit:
         candidates = [a for a in self.arms if a.proposer not in skip] or [PLAIN]
         if PLAIN in b.rewards and len(b.rewards[PLAIN]) < self.min_trials:
             return self._tried(b, PLAIN)  # the yardstick first
-        affordable = self._affordable(b)
-        trials = [a for a in candidates if self._promising(b, a)]
-        if affordable and trials:  # an arm ahead so far first, then each once before any twice
+        cost = upfront or {}
+        affordable = {a: self._affordable(b, cost.get(a.proposer, 0.0)) for a in candidates}
+        trials = [a for a in candidates if affordable[a] and self._promising(b, a)]
+        if trials:  # an arm ahead so far first, then each once before any twice
             return self._tried(b, min(trials, key=lambda a: (not self._ahead(b, a),
                                                               len(b.rewards[a]))))
         measured = [a for a in candidates if len(b.rewards.get(a, ())) >= self.min_trials]
@@ -211,7 +215,7 @@ class StrategyBandit:
                 best = PLAIN  # speculation must win clearly, and what it lost stays bounded
             elif b.steps - b.tried_at[PLAIN] >= self.refresh:
                 return self._tried(b, PLAIN)  # the yardstick kept fresh (the host drifts)
-        others = [a for a in candidates if a != best and (affordable or a == PLAIN)]
+        others = [a for a in candidates if a != best and (affordable[a] or a == PLAIN)]
         if others and self._rng.random() < self.epsilon_at(b.steps):
             return self._tried(b, min(others, key=lambda a: b.tried_at[a]))
         return self._tried(b, best)
@@ -242,10 +246,11 @@ class StrategyBandit:
             return False
         return seen.rate() > plain.rate()
 
-    def _affordable(self, b: _Bucket) -> bool:
-        """Whether a bucket may try a speculative arm: what speculation lost there is within
-        ``budget`` of its time plus ``grace`` plain steps (no yardstick: always)."""
-        return b.lost <= self._allowance(b)
+    def _affordable(self, b: _Bucket, upfront: float = 0.0) -> bool:
+        """Whether a bucket may try a speculative arm: what speculation lost there, and what
+        the arm spends before drafting, are within ``budget`` of its time plus ``grace``
+        plain steps (no yardstick: always)."""
+        return b.lost + upfront <= self._allowance(b)
 
     def _allowance(self, b: _Bucket) -> float:
         """Seconds speculation may lose against plain decoding in a bucket (no yardstick yet:
