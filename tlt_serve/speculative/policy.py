@@ -27,7 +27,7 @@ bucket (three steps): it is the yardstick, free to measure. Each speculative ste
 the time it lost against it (its seconds less the seconds plain decoding would have taken to
 commit its tokens; negative when it won). An arm is explored (its trials, or by ε) only while
 the bucket's booked loss stays within ``budget`` of the bucket's time plus ``grace`` plain
-steps: where every arm loses (batch 4 and more on a CPU) exploration stops after a couple of
+steps: where every arm loses (several sequences on a CPU) exploration stops after a couple of
 trials and the policy runs plain decoding, costing at most ~``budget``; where an arm wins
 (batch 1) its wins fund the trials of the others. Trials go to an arm ahead of plain so far
 first (a winner is confirmed, then exploited), then to each arm once before any twice; an arm
