@@ -48,6 +48,7 @@ from benchmarks.common.servers import VLLM_SERVED_NAME, running_server, running_
 from tlt_serve.config import SpecConfig
 
 IN_PROCESS = "in-process"  # the backend name of offline runs
+WARM_TOKENS = 32  # untimed tokens per engine before each batch size
 OFFLINE_METHODS = ("off", "ngram", "suffix", "drafter", "auto", "auto-nodrafter", "hf")
 BACKENDS = ("native", "vllm")
 METHODS = ("off", "ngram", "suffix", "drafter", "auto")
@@ -252,16 +253,25 @@ def offline(a: argparse.Namespace) -> Path:
     ``ngram``, ``suffix`` and ``drafter`` speculate at every batch size (to show where
     speculation stops paying); ``auto`` is what the server does by default: speculate only
     while at most ``--max-batch`` sequences run. ``hf``: HF transformers' generate loop (greedy
-    only)."""
+    only). Before each batch size every engine generates ``WARM_TOKENS`` tokens for a batch of
+    prompts of its own, untimed: the verify path's first shapes at that size (a first timed
+    batch 1 ran at a third of the speed of later ones) and auto's first measurements there."""
     import torch
 
     check_offline(a)
     torch.set_num_threads(a.threads)
+    from tlt_serve import SamplingParams
+
     arms, llms = offline_arms(a)
-    prompts = fresh_prompts(llms["off"].tokenizer, a.repeats, a.batches)
+    # the repeats' prompts, then a set per batch size that warms every engine up untimed
+    prompts = fresh_prompts(llms["off"].tokenizer, a.repeats + 1, a.batches)
+    warm = SamplingParams(max_new_tokens=min(WARM_TOKENS, a.new_tokens),
+                          temperature=a.temperature, ignore_eos=True, seed=0)
     runs: list[Run] = []
     bar = tqdm(total=len(a.batches) * a.repeats * len(arms), desc="decode offline")
     for bs in a.batches:
+        for llm in llms.values():
+            llm.generate(prompts[(a.repeats, bs)], warm)
         for rep in range(a.repeats):
             order = list(arms.items())
             for name, arm in order if rep % 2 == 0 else order[::-1]:
