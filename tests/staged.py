@@ -44,10 +44,15 @@ def run_staged(
     raise AssertionError(f"not done after {max_steps} steps")
 
 
-def assert_switched_on_off_on(run: Staged, max_batch: int) -> None:
-    """Speculation ran before the crowd joined and again in its tail, never above max_batch."""
+def assert_never_above(run: Staged, max_batch: int) -> None:
+    """A crowd above max_batch ran, and no step of it speculated."""
     crowded = [s for s, n in zip(run.speculated, run.running, strict=True) if n > max_batch]
     assert crowded and not any(crowded), "never speculates above max_batch"
+
+
+def assert_switched_on_off_on(run: Staged, max_batch: int) -> None:
+    """Speculation ran before the crowd joined and again in its tail, never above max_batch."""
+    assert_never_above(run, max_batch)
     first_big = next(i for i, n in enumerate(run.running) if n > max_batch)
     last_big = max(i for i, n in enumerate(run.running) if n > max_batch)
     assert any(run.speculated[:first_big]), "speculates while alone"

@@ -11,7 +11,7 @@ import pytest
 
 from tests.harness import REAL_PROMPTS
 from tests.real_drafter import fit_drafter
-from tests.staged import assert_switched_on_off_on, run_staged
+from tests.staged import assert_never_above, assert_switched_on_off_on, run_staged
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 
@@ -112,8 +112,7 @@ def test_speculation_switches_off_when_a_crowd_joins_and_back_on_in_its_tail(
         # auto measures plain decoding first in each batch-size bucket and explores within a
         # budget of what it has run (tests/test_spec_policy.py): a handful of steps alone is
         # too short for it to be sure speculation pays; here its hard switch above max_batch
-        assert run.speculated and not any(
-            s for s, n in zip(run.speculated, run.running, strict=True) if n > 2)
+        assert_never_above(run, max_batch=2)
     else:
         assert_switched_on_off_on(run, max_batch=2)
         assert eng.stats.spec.accepted > 0

@@ -198,8 +198,10 @@ class StrategyBandit:
         candidates = [a for a in self.arms if a.proposer not in skip] or [PLAIN]
         if PLAIN in b.rewards and len(b.rewards[PLAIN]) < self.min_trials:
             return self._tried(b, PLAIN)  # the yardstick first
-        cost = upfront or {}
-        affordable = {a: self._affordable(b, cost.get(a.proposer, 0.0)) for a in candidates}
+        # an arm may be tried while what speculation lost here, plus what the arm spends
+        # before drafting, fits the allowance
+        allowance, cost = self._allowance(b), upfront or {}
+        affordable = {a: b.lost + cost.get(a.proposer, 0.0) <= allowance for a in candidates}
         trials = [a for a in candidates if affordable[a] and self._promising(b, a)]
         if trials:  # an arm ahead so far first, then each once before any twice
             return self._tried(b, min(trials, key=lambda a: (not self._ahead(b, a),
@@ -211,7 +213,7 @@ class StrategyBandit:
         plain = b.rewards.get(PLAIN)
         if plain and best != PLAIN:
             if (b.rewards[best].rate() < (1 + self.margin) * plain.rate()
-                    or b.arm_lost[best] > self._allowance(b)):
+                    or b.arm_lost[best] > allowance):
                 best = PLAIN  # speculation must win clearly, and what it lost stays bounded
             elif b.steps - b.tried_at[PLAIN] >= self.refresh:
                 return self._tried(b, PLAIN)  # the yardstick kept fresh (the host drifts)
@@ -240,21 +242,15 @@ class StrategyBandit:
 
     @staticmethod
     def _ahead(b: _Bucket, arm: Strategy) -> bool:
-        """Whether an arm's trials so far beat plain decoding."""
+        """Whether a speculative arm's trials so far beat plain decoding."""
         seen, plain = b.rewards.get(arm), b.rewards.get(PLAIN)
-        if not seen or not plain or arm == PLAIN:
+        if not seen or not plain:
             return False
         return seen.rate() > plain.rate()
 
-    def _affordable(self, b: _Bucket, upfront: float = 0.0) -> bool:
-        """Whether a bucket may try a speculative arm: what speculation lost there, and what
-        the arm spends before drafting, are within ``budget`` of its time plus ``grace``
-        plain steps (no yardstick: always)."""
-        return b.lost + upfront <= self._allowance(b)
-
     def _allowance(self, b: _Bucket) -> float:
-        """Seconds speculation may lose against plain decoding in a bucket (no yardstick yet:
-        any)."""
+        """Seconds speculation may lose against plain decoding in a bucket: ``budget`` of its
+        time plus ``grace`` plain steps (no yardstick yet: any)."""
         plain = b.rewards.get(PLAIN)
         if not plain:
             return float("inf")
