@@ -143,7 +143,8 @@ def server_config(
 ) -> ServerConfig:
     engine = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32",
-                          max_model_len=engine_kw.pop("max_model_len", MAX_MODEL_LEN)),
+                          max_model_len=engine_kw.pop("max_model_len", MAX_MODEL_LEN),
+                          enforce_eager=engine_kw.pop("enforce_eager", False)),
         cache=CacheConfig(max_num_seqs=engine_kw.pop("max_num_seqs", 8)),
         **engine_kw,
     )

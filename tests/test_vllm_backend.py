@@ -4,7 +4,8 @@ nothing), alone and batched; speculation on (n-gram, our drafter through vLLM's 
 off; target weight updates by every path change outputs exactly as a fresh start on the new
 weights would and bump the version; malformed ones are refused and the old weights keep
 serving; drafter hot-swap under load; what vLLM cannot honour is a 400 naming the field and
-the backend; a dead engine core turns into 503s.
+the backend; a dead engine core turns into 503s. The tests run vLLM eagerly (faster starts)
+but one: vLLM's compiled CPU path, the served default, exact and reached by every update.
 
 Needs vLLM (``bash scripts/install.sh --vllm``); skipped without it, except where
 ``TLT_REQUIRE_VLLM=1`` (CI) makes its absence a failure.
@@ -106,8 +107,10 @@ def offline(model_dir: Path, new_weights: Path, prompts, tmp_path_factory) -> di
     return {"served": out[str(model_dir)], "nudged": out[str(new_weights)]}
 
 
-def start(model_dir: Path, **engine_kw) -> Served:
-    return serve(model_dir, backend="vllm", **engine_kw)
+def start(model_dir: Path, compiled: bool = False, **engine_kw) -> Served:
+    """``compiled``: vLLM's compiled CPU path (the served default); else eagerly, a minute
+    less to start (the compiled path's own test shows it exact and reached by updates)."""
+    return serve(model_dir, backend="vllm", enforce_eager=not compiled, **engine_kw)
 
 
 @pytest.fixture(scope="module")
@@ -487,6 +490,42 @@ def test_drafter_hot_swap_under_load(model_dir: Path, prompts, offline, drafters
             versions = o["meta_info"]["drafter_versions"]
             assert versions == sorted(versions)
             assert o["meta_info"]["drafter_version"] == versions[-1]
+
+
+def test_the_compiled_cpu_path_is_exact_and_reached_by_updates(
+        model_dir: Path, new_weights: Path, prompts, offline, drafters) -> None:
+    """vLLM's compiled CPU path (dynamo traced once, inductor): fp32 greedy outputs equal
+    vLLM's eager offline ones with our drafter speculating, alone and batched; the weights a
+    drafter swap or a target update reloads in place reach the compiled code (an untrained
+    drafter's drafts are rejected where the fitted one's were accepted; the updated target's
+    outputs are those of vLLM started on its weights)."""
+    spec = SpecConfig(method="drafter", drafter=str(drafters[0]), num_draft_tokens=4,
+                      max_batch=8)
+    s = start(model_dir, compiled=True, spec=spec)
+    rates = []
+    try:
+        with s.http(timeout=300) as http:
+            assert http.get("/get_server_info").json()["engine_info"]["compiled"] is True
+            for version, drafter in enumerate((drafters[0], drafters[2], drafters[0])):
+                if version:
+                    r = http.post("/update_drafter_from_disk",
+                                  json={"path": str(drafter), "version": version})
+                    assert r.status_code == 200, r.text
+                batched = generate(s, prompts, LENGTHS)
+                alone = [generate(s, [p], [n])[0] for p, n in zip(prompts, LENGTHS,
+                                                                   strict=True)]
+                assert ids(batched) == offline["served"] and ids(alone) == offline["served"]
+                verified, accepted = spec_counts(batched + alone)
+                rates.append(accepted / verified)
+            ok = http.post("/update_weights_from_disk",
+                           json={"model_path": str(new_weights), "weight_version": "v1"})
+            assert ok.status_code == 200, ok.text
+            assert ids(generate(s, prompts, LENGTHS)) == offline["nudged"]
+    finally:
+        s.stop()
+    fitted, untrained, again = rates
+    assert fitted > 1.0 and untrained < 0.25 * fitted, rates
+    assert again > 0.8 * fitted, rates
 
 
 @pytest.fixture(scope="module")

@@ -127,7 +127,8 @@ out["gpu_eager"] = engine_args(model_dir, eager, spec,
                                Gpu(0, "NVIDIA H200", 141 << 30)).enforce_eager
 from vllm.engine.arg_utils import AsyncEngineArgs
 out["cpu_args"] = [cpu.gpu_memory_utilization == AsyncEngineArgs.gpu_memory_utilization,
-                   cpu.enable_chunked_prefill, cpu.enforce_eager]
+                   cpu.enable_chunked_prefill, cpu.enforce_eager,
+                   engine_args(model_dir, eager, spec, None).enforce_eager]
 
 # the engine process itself refuses another vLLM, before starting anything
 from tlt_serve.backends.vllm.process import run_vllm
@@ -156,7 +157,8 @@ def test_the_start_refuses_another_vllm_and_missing_symbols_by_name() -> None:
     share, chunked, eager = out["gpu_args"]
     assert 0 < share < 0.1 and chunked  # a 135M model on an H200 takes a few percent
     assert not eager and out["gpu_eager"]  # CUDA graphs on a GPU unless --enforce-eager
-    assert out["cpu_args"] == [True, False, True]  # vLLM's default share, unused on a CPU
+    # vLLM's default share, unused on a CPU; compiled there too unless --enforce-eager
+    assert out["cpu_args"] == [True, False, False, True]
     assert out["start"].startswith("backend vllm: VllmMismatch: vLLM 0.33.0 is installed")
 
 

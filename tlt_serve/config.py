@@ -27,8 +27,9 @@ class ModelConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     max_model_len: int = 2048  # prompt + output tokens per sequence
-    # On a GPU: every step eagerly, no CUDA graphs (the native engine's decode and verify
-    # steps; vLLM's own graphs)
+    # Every step eagerly: on a GPU no CUDA graphs (the native engine's decode and verify
+    # steps; vLLM's own graphs); on a CPU vLLM without torch.compile (the native engine's
+    # CPU kernels always run eagerly)
     enforce_eager: bool = False
     # On a GPU, with CUDA graphs: the decoder layers' small ops (norms, rotation, residuals,
     # gate) fused by torch.compile in the steps the graphs replay

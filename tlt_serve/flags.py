@@ -47,8 +47,9 @@ def parse(argv: list[str]) -> ServerConfig:
                        "or cuda:N (torch's SDPA attention). The vllm backend runs where its "
                        "build runs")
     serve.add_argument("--enforce-eager", action="store_true",
-                       help="on a GPU, run every step eagerly: no CUDA graphs (the native "
-                       "engine's decode and verify steps, vLLM's own)")
+                       help="run every step eagerly: on a GPU no CUDA graphs (the native "
+                       "engine's decode and verify steps, vLLM's own); on a CPU, vLLM's build "
+                       "without torch.compile (a minute less to start, slower steps)")
     serve.add_argument("--no-compile", action="store_true",
                        help="on a GPU, capture the native engine's CUDA graphs from the "
                        "decoder layers as written, without fusing their small ops by "

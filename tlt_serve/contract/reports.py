@@ -39,6 +39,9 @@ class EngineInfo:
     eos_ids: tuple[int, ...]
     weight_version: str
     spec: SpecInfo = SpecInfo()
+    # Steps run as compiled graphs: vLLM's torch.compile (on a CPU too), the native
+    # engine's CUDA graphs; False: eager (--enforce-eager, the native engine's CPU kernels)
+    compiled: bool = False
 
 
 @dataclass(frozen=True)

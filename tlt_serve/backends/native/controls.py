@@ -93,6 +93,7 @@ class NativeControls:
             max_waiting=cfg.scheduler.max_waiting,
             eos_ids=tuple(sorted(engine.tokenizer.eos_ids)),
             weight_version=engine.weight_version,
+            compiled=engine.runner.graphs is not None,
             spec=SpecInfo(
                 method=spec.config.method,
                 proposer=spec.proposer_name,

@@ -86,6 +86,7 @@ def _start(
     else:
         set_gpu_env()
     spec = resolve_spec(config.spec, scratch)
+    from vllm.config import CompilationMode
     from vllm.v1.engine.async_llm import AsyncLLM
 
     stats = LoopStats()
@@ -103,6 +104,7 @@ def _start(
         max_waiting=config.scheduler.max_waiting,
         eos_ids=tuple(sorted(load_tokenizer(model_dir).eos_ids)),
         weight_version="0",
+        compiled=llm.vllm_config.compilation_config.mode != CompilationMode.NONE,
         spec=SpecInfo(
             method=config.spec.method,
             proposer=spec.proposer,
