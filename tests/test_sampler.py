@@ -7,7 +7,7 @@ import torch
 
 from tests.reference import filtered_probs
 from tlt_serve.engine.request import Request
-from tlt_serve.engine.sampler import Sampler
+from tlt_serve.engine.sampler import CDF_BLOCK, Sampler, inverse_cdf
 from tlt_serve.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -110,3 +110,30 @@ def test_candidate_filters_equal_a_full_sort_on_a_large_vocabulary() -> None:
     assert torch.equal(got.isinf(), want.isinf())
     assert torch.equal(got[~got.isinf()], want[~want.isinf()])
     assert int((~got[3].isinf()).sum()) > TOP_CANDIDATES  # the fallback path really ran
+
+
+@pytest.mark.parametrize("vocab", [5, CDF_BLOCK, 3 * CDF_BLOCK + 7, 49152])
+def test_the_blocked_inverse_cdf_is_the_full_one(vocab: int) -> None:
+    """Two levels (fp32 block sums, one block in fp64) draw what one fp64 cumulative sum of
+    the whole row draws, but where the target lies within 1e-6 of a boundary (the block sums'
+    rounding moves it by ~1e-8 of the total); never a token of zero probability, also for a
+    target at the very top of a row whose last tokens have none."""
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(3 * torch.randn(64, vocab, generator=g), dim=-1)  # [64, V]
+    probs[:, 1::3] = 0.0
+    for _ in range(20):
+        u = torch.rand(64, generator=g, dtype=torch.float64)
+        cdf = probs.double().cumsum(dim=-1)  # [64, V]
+        x = u.unsqueeze(1) * cdf[:, -1:]
+        full = torch.searchsorted(cdf, x, right=True).squeeze(1)
+        got = inverse_cdf(probs, u)
+        assert (probs.gather(1, got.unsqueeze(1)) > 0).all()
+        near = ((cdf - x).abs() < 1e-6).any(dim=1)
+        assert torch.equal(got[~near], full[~near])
+        assert torch.equal(inverse_cdf(probs[:1], u[:1]), got[:1])  # rows draw alone
+    # zero beyond a block's fifth-last token: the very top lands on that token
+    edge = torch.zeros(2, 2 * CDF_BLOCK)
+    edge[:, 3] = 0.5
+    edge[:, CDF_BLOCK - 5] = 0.5
+    top = torch.tensor([1 - 1e-12, 0.0], dtype=torch.float64)
+    assert inverse_cdf(edge, top).tolist() == [CDF_BLOCK - 5, 3]
