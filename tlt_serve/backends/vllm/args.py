@@ -183,9 +183,9 @@ def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec, gpu: Gpu 
         "enable_chunked_prefill": gpu is not None,
         # Compiled unless --enforce-eager: CUDA graphs on a GPU (capture reads what vLLM hands
         # its drafter, outside them); on a CPU the model traced once by dynamo and compiled
-        # by inductor (x1.3-1.4 the eager throughput at 16-64 sequences, a minute more to
-        # start; fp32 greedy outputs equal eager ones; weights and drafters reloaded in place
-        # reach the compiled code: the parameters are its inputs, not constants)
+        # by inductor (x1.05-1.24 the eager throughput over benchmarks/engines.py's shapes, a
+        # minute more to start; fp32 greedy outputs equal eager ones; weights and drafters
+        # reloaded in place reach the compiled code: the parameters are its inputs)
         "enforce_eager": mc.enforce_eager,
         "block_size": BLOCK_SIZE,
         "kv_cache_memory_bytes": kv,
