@@ -13,6 +13,7 @@ from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.kernels import (
     CpuKernels,
     attention_avx2,
+    attention_widened,
     matvec_avx2,
     own_avx512,
     own_avx512_bf16,
@@ -328,15 +329,17 @@ def test_attention_kernel_tree_nodes_get_their_decode_bits() -> None:
 
 
 def test_attention_avx512_path_is_the_avx2_path_bit_for_bit() -> None:
-    """Where the CPU has AVX512 the attention widens each key and value row once for a group
-    of heads; every output must be the AVX2 path's bits: causal queries of every key count
-    around the groups of 8 keys, tree nodes (gathered columns), head groups larger than one
-    register group (G 7, 16), head sizes 64 / 128 / 256 and one the AVX512 path leaves (32)."""
-    kernels = own_kernels()
+    """Where the CPU has AVX512 the widening attention widens each key and value row once for
+    a group of heads; every output must be the AVX2 path's bits: causal queries of every key
+    count around the groups of 8 keys, tree nodes (gathered columns), head groups larger than
+    one register group (G 7, 16), head sizes 64 / 128 / 256 and one the AVX512 path leaves
+    (32)."""
+    own_kernels()
     if not own_avx512():
         pytest.skip("this CPU has no AVX512: the attention has only its AVX2 path")
-    avx2 = attention_avx2()
-    assert avx2 is not None and kernels.attention is not None
+    avx2, widened = attention_avx2(), attention_widened()
+    assert avx2 is not None and widened is not None
+    kernels = CpuKernels(matvec=None, norm=None, attention=widened)
     g = torch.Generator().manual_seed(11)
     none = torch.empty(0, dtype=torch.long)
     for G, D in [(1, 64), (3, 64), (7, 64), (16, 64), (4, 128), (2, 256), (3, 32)]:
@@ -352,6 +355,73 @@ def test_attention_avx512_path_is_the_avx2_path_bit_for_bit() -> None:
         bits = torch.tensor([(0b1011 << (i % 5)) | 1 for i in range(40)])  # 4 set bits each
         tree = kernels.attention(q, k_cache, v_cache, 0, tree_lens, bits, D**-0.5)
         assert torch.equal(tree, avx2(q, k_cache, v_cache, 0, tree_lens, bits, D**-0.5))
+
+
+def test_attention_dot_product_scores_track_the_widened_path() -> None:
+    """Where the CPU has AVX512-BF16 the attention scores keys by bf16 dot products: the same
+    exact products as the widening path, summed in another order. Outputs agree within bf16
+    rounding (most bit for bit) for causal rows of every key count around the blocks of 8,
+    long rows (a prefill's), tree nodes, head groups past one register group and head sizes
+    64 / 128 / 256, and a query computed alone gets the bits it gets among others."""
+    kernels = own_kernels()
+    if not own_avx512_bf16():
+        pytest.skip("this CPU has no AVX512-BF16: the attention widens keys to fp32")
+    widened = attention_widened()
+    assert widened is not None and kernels.attention is not None
+    g = torch.Generator().manual_seed(5)
+    none = torch.empty(0, dtype=torch.long)
+    same = total = 0
+    for G, D in [(1, 64), (3, 64), (7, 64), (16, 64), (4, 128), (2, 256)]:
+        kvH, L, Q = 2, 300, 30
+        k_cache = torch.randn(2, kvH, L, D, generator=g).bfloat16()
+        v_cache = torch.randn(2, kvH, L, D, generator=g).bfloat16()
+        q = torch.randn(2, Q, kvH, G, D, generator=g).bfloat16()
+        lens = torch.stack([torch.arange(1, Q + 1), torch.arange(L - Q + 1, L + 1)])
+        for bits, n in ((none, lens), (torch.tensor([(0b101 << (i % 7)) | 1 for i in range(2 * Q)]),
+                                      torch.full((2, Q), 40))):
+            dot = kernels.attention(q, k_cache, v_cache, 0, n, bits, D**-0.5)
+            ref = widened(q, k_cache, v_cache, 0, n, bits, D**-0.5)
+            torch.testing.assert_close(dot.float(), ref.float(), atol=2e-2, rtol=2e-2)
+            same += int((dot == ref).sum())
+            total += dot.numel()
+        alone = kernels.attention(q[1:, -1:], k_cache, v_cache, 1, lens[1:, -1:], none, D**-0.5)
+        batched = kernels.attention(q, k_cache, v_cache, 0, lens, none, D**-0.5)
+        assert torch.equal(alone[0, 0], batched[1, -1]), (G, D)
+    assert same > 0.9 * total  # fp32 sums in another order: bf16 outputs rarely differ
+
+
+@torch.inference_mode()
+def test_prefill_rows_take_the_own_attention_up_to_its_limit(tiny_model_dir) -> None:
+    """``CpuKernels.attention_queries`` bounds the query tokens per row the own attention
+    takes: a prefill of a 20-token row goes to SDPA under a limit of 16 and to the kernel under
+    one of 32, with the same logits within bf16 rounding."""
+    from tlt_serve.engine.runner import extend_batch
+    from tlt_serve.models.llama import Attention
+
+    own_kernels()
+    model = build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True)
+    kernels = model.kernels
+    assert kernels is not None and kernels.attention is not None
+    layers = sum(isinstance(m, Attention) for m in model.modules())
+    kernel, calls = kernels.attention, []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args)  # type: ignore[arg-type]
+
+    g = torch.Generator().manual_seed(3)
+    V = model.cfg.vocab_size
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 20, 9)]
+    logits = []
+    for limit in (16, 32):
+        calls.clear()
+        set_cpu_kernels(model, replace(kernels, attention=counted, layer=None,
+                                       attention_queries=limit))
+        kv = KVCache(model.cfg, rows=3, max_len=32, dtype=torch.bfloat16)
+        batch, ids = extend_batch(kv, 0, [0, 0, 0], prompts)
+        logits.append(model.logits(model(ids, batch, kv.layers).hidden[:, 4]))
+        assert len(calls) == (layers if limit >= 20 else 0), limit
+    torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.05)
 
 
 def test_attention_kernel_is_used_only_within_its_limits(tiny_model_dir) -> None:

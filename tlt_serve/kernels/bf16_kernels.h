@@ -30,15 +30,18 @@ torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x
                              bool avx2_only);
 // RMSNorm of bf16 rows in HF's rounding order.
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// Which attention path attend_tokens takes: the fastest this CPU has (AVX512-BF16 dot products
+// for the scores, else AVX512 or AVX2 with keys widened to fp32), keys widened (AVX512 or AVX2:
+// the same bits), or AVX2 only. The last two are kept for comparisons.
+constexpr int kAttentionBest = 0, kAttentionWidened = 1, kAttentionAvx2 = 2;
 // Attention of T query tokens: token t (q at q + t * q_stride, kvH x G heads of D) sees key
 // columns [0, lens[t]) of cache row rows[t] or, where bits (nullable) has bits[t] != 0, the
 // first lens[t] - popcount(bits[t]) columns and then that base + i for each set bit i (a tree
-// node: its ancestors and itself); output at out + t * o_stride, bf16. avx2_only: never the
-// AVX512 path (the same bits; for comparisons).
+// node: its ancestors and itself); output at out + t * o_stride, bf16, by ``path``.
 void attend_tokens(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
                    const uint16_t* v_cache, const int64_t* rows, const int64_t* lens,
                    const int64_t* bits, int64_t T, int64_t kvH, int64_t G, int64_t D, int64_t L,
-                   double scale, uint16_t* out, int64_t o_stride, bool avx2_only = false);
+                   double scale, uint16_t* out, int64_t o_stride, int path = kAttentionBest);
 // bits_in as contiguous int64 (one per entry of lens), checked against lens; empty: no tree.
 torch::Tensor tree_bits(const torch::Tensor& bits_in, const torch::Tensor& lens);
 void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t kvH,

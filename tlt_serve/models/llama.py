@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tlt_serve.kernels import MATVEC_ROWS, CpuKernels, LayerKernel, MatVec, NormKernel, RowAttention
+from tlt_serve.kernels import (
+    ATTENTION_QUERIES,
+    MATVEC_ROWS,
+    CpuKernels,
+    LayerKernel,
+    MatVec,
+    NormKernel,
+    RowAttention,
+)
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.batch import ForwardBatch, unpack
 from tlt_serve.models.rope import apply_rope, cos_sin_table
@@ -29,9 +37,6 @@ LayerFn = Callable[["DecoderLayer", torch.Tensor, torch.Tensor, ForwardBatch, KV
 # kernel multiplies; more rows (prefill) go to the fp32 GEMM (see ``Linear``). Measured on an
 # AVX2 host on the default model's projections: the kernel is 3-6x faster at 1-16 rows, 1.3x
 # at 64, even at 128, slower above. With bf16 GEMM units: ``CpuKernels.matvec_rows``.
-# Most query tokens per row the own attention kernel takes (decode, verify, short drafter
-# catch-ups); longer rows (prefill) go to torch's SDPA, which tiles them.
-KERNEL_MAX_QUERIES = 16
 
 
 class Linear(nn.Linear):
@@ -109,6 +114,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.kernel: RowAttention | None = None  # own bf16 kernel (serving only)
+        self.kernel_queries = ATTENTION_QUERIES  # most query tokens per row it takes
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, batch: ForwardBatch, kv: KVLayer
@@ -117,7 +123,7 @@ class Attention(nn.Module):
         [R, H]); writes the step's K/V into the rows ``batch`` names."""
         q, k, v = self.project(x, rope, batch.packed)
         self.write(k, v, batch.write_index, kv)
-        lens = _kernel_lens(batch, q, kv[0])  # [B, Q] or None
+        lens = _kernel_lens(batch, q, kv[0], self.kernel_queries)  # [B, Q] or None
         if self.kernel is not None and lens is not None:
             # Query j of row b attends its kv_lens[b, j] keys (columns [0, kv_lens), or a tree
             # node's prefix + ancestors): no mask, no view, one call (24 vs 50-75 us for
@@ -233,7 +239,7 @@ class DecoderLayer(nn.Module):
     def _kernel_fits(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer) -> bool:
         return (
             self.kernel is not None
-            and _kernel_lens(batch, x, kv[0]) is not None
+            and _kernel_lens(batch, x, kv[0], self.self_attn.kernel_queries) is not None
             and x.numel() // x.shape[-1] <= self.kernel_rows  # the own product's rows
             and self.post_attention_layernorm.weight.dtype == torch.bfloat16
         )
@@ -260,14 +266,14 @@ class DecoderLayer(nn.Module):
 
 
 def _kernel_lens(
-    batch: ForwardBatch, x: torch.Tensor, cache: torch.Tensor
+    batch: ForwardBatch, x: torch.Tensor, cache: torch.Tensor, max_queries: int
 ) -> torch.Tensor | None:
     """``batch.kv_lens`` [B, Q] when the own row kernels (attention, whole layer) take this
     batch, else None: rows (causal, or tree nodes with ``tree_bits``) of at most
-    KERNEL_MAX_QUERIES tokens, bf16 activations and cache, no autograd (the kernels have no
-    backward)."""
+    ``max_queries`` tokens (``CpuKernels.attention_queries``), bf16 activations and cache, no
+    autograd (the kernels have no backward)."""
     takes = (
-        batch.positions.shape[1] <= KERNEL_MAX_QUERIES
+        batch.positions.shape[1] <= max_queries
         and x.dtype == cache.dtype == torch.bfloat16
         and not torch.is_grad_enabled()
     )
@@ -340,8 +346,9 @@ class LlamaModel(nn.Module):
 
 def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
     """Use the own bf16 kernels in ``module`` (None, or a None field: torch's): the product
-    for up to MATVEC_ROWS rows, the RMSNorms, the attention of decode and verify rows (for
-    head_dim a multiple of 8 up to 256 and up to 16 query heads per KV head: its limits)."""
+    for up to MATVEC_ROWS rows, the RMSNorms, the attention of decode and verify rows (and of
+    prefills, ``CpuKernels.attention_queries``; for head_dim a multiple of 8 up to 256 and up
+    to 16 query heads per KV head: its limits)."""
     if isinstance(module, LlamaModel):
         module.kernels = kernels  # a drafter loaded for this model uses the same
     for m in module.modules():
@@ -352,6 +359,7 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
             m.kernel = None if kernels is None else kernels.norm
         elif isinstance(m, Attention):
             m.kernel = None if kernels is None or not _attention_fits(m) else kernels.attention
+            m.kernel_queries = ATTENTION_QUERIES if kernels is None else kernels.attention_queries
         elif isinstance(m, DecoderLayer):
             m.kernel = None if kernels is None or not _layer_fits(m, kernels) else kernels.layer
             m.kernel_rows = MATVEC_ROWS if kernels is None else kernels.matvec_rows
