@@ -31,18 +31,30 @@ from benchmarks.common.results import grouped_bars, ints, pyplot, report, save, 
 OFF = ("all", "layer", "matvec", "norm", "attention")  # "x": everything but x
 LABELS = {"all": "every own kernel", "layer": "the own kernels op by op, no whole-layer kernel",
           **{c: f"torch's {c} instead" for c in OFF[2:]},
-          "avx2": "the own product's AVX2 path (rows <= 8)"}
+          "avx2": "the own product's AVX2 path (rows <= 8)",
+          "widened": "the own attention with keys widened to fp32, decode rows only (op by op)"}
+ONLY_AVX512_BF16 = ("avx2", "widened")  # configurations that differ from "all" only there
 
 
 def switch(model: Any, kernels: Any, off: str) -> None:
     """Own kernels everywhere except ``off`` ("all": none off; "avx2": the AVX2 product)."""
-    from tlt_serve.kernels import MATVEC_ROWS_NATIVE_BF16, matvec_avx2
+    from tlt_serve.kernels import (
+        ATTENTION_QUERIES,
+        MATVEC_ROWS_NATIVE_BF16,
+        attention_widened,
+        matvec_avx2,
+    )
     from tlt_serve.models.llama import set_cpu_kernels
 
-    if off == "avx2":  # op by op: the whole-layer kernel multiplies with its own product
+    # op by op: the whole-layer kernel multiplies and attends with its own paths
+    if off == "avx2":
         kernels = replace(kernels, matvec=matvec_avx2(), matvec_rows=MATVEC_ROWS_NATIVE_BF16,
                           layer=None)
-    set_cpu_kernels(model, kernels if off in ("all", "avx2") else replace(kernels, **{off: None}))
+    elif off == "widened":  # prefills back to SDPA
+        kernels = replace(kernels, attention=attention_widened(),
+                          attention_queries=ATTENTION_QUERIES, layer=None)
+    keep = ("all", *ONLY_AVX512_BF16)
+    set_cpu_kernels(model, kernels if off in keep else replace(kernels, **{off: None}))
 
 
 def ab(a: argparse.Namespace) -> Path:
@@ -52,7 +64,9 @@ def ab(a: argparse.Namespace) -> Path:
     (``attention``), or none (``all``); ``layer``: the same kernels op by op instead of the
     whole-layer kernel (which needs all three, so switching any of them off also runs the
     layers op by op); on CPUs with AVX512-BF16 also ``avx2``: the own product on its AVX2
-    path with the row limit it had there. Greedy, ``--new-tokens`` per sequence, EOS
+    path with the row limit it had there, and ``widened``: the own attention scoring with
+    keys widened to fp32, for decode rows only (prefills to SDPA). ``--configs`` picks some
+    (``all`` always runs: the reference). Greedy, ``--new-tokens`` per sequence, EOS
     ignored, fresh prompts every round, configurations interleaved, median tokens/s per
     batch size; every configuration's tokens are compared with ``all``'s (bf16 rounding
     differs between kernels, so a few may differ)."""
@@ -67,7 +81,12 @@ def ab(a: argparse.Namespace) -> Path:
     model, kernels = llm.engine.model, llm.engine.model.kernels  # the full set
     if kernels is None:
         raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
-    configs = (*OFF, "avx2") if own_avx512_bf16() else OFF
+    configs = (*OFF, *ONLY_AVX512_BF16) if own_avx512_bf16() else OFF
+    if a.configs:
+        unknown = set(a.configs) - set(configs)
+        if unknown:
+            raise SystemExit(f"--configs: {sorted(unknown)} not among {list(configs)} here")
+        configs = ("all", *(c for c in a.configs if c != "all"))
     tok = llm.tokenizer
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(chat_prompts(tok, 0, 1), SamplingParams(max_new_tokens=8))
@@ -109,7 +128,7 @@ def plot_ab(result: dict[str, Any], path: Path) -> None:
     results, batches = result["results"], [str(b) for b in result["args"]["batches"]]
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = {"all": "all own kernels", "layer": "own kernels op by op",
-              "avx2": "own product, AVX2 path"}
+              "avx2": "own product, AVX2 path", "widened": "own attention, keys widened"}
     grouped_bars(ax, batches, {labels.get(c, f"torch's {c}"): {
         b: cells["tokens_per_s"] for b, cells in r.items()} for c, r in results.items()},
         [f"batch {b}" for b in batches])
@@ -125,6 +144,9 @@ def _ab_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--configs", type=lambda s: s.split(","), default=None,
+                   help="comma-separated configurations (all, layer, matvec, norm, attention; "
+                        "avx2, widened with AVX512-BF16); default every one")
 
 
 # ---- rows ---------------------------------------------------------------------------------
