@@ -354,14 +354,22 @@ static inline void qk_scores(const float* q, const uint16_t* K, int64_t n, int64
   }
 }
 
-// s[0..n) ← softmax(s) in place.
+// s[0..n) ← softmax(s) in place. The maximum 8 lanes at a time (the same value as a scalar
+// walk: a maximum is exact in any order; a prefill's scores are ~12% of its attention's time).
 static inline void softmax_inplace(float* s, int64_t n) {
   float mx = s[0];
-  for (int64_t j = 1; j < n; ++j) mx = std::max(mx, s[j]);
+  int64_t j = 0;
+  if (n >= 8) {
+    __m256 mx8 = _mm256_loadu_ps(s);
+    for (j = 8; j + 8 <= n; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(s + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx8);
+    for (const float v : lanes) mx = std::max(mx, v);
+  }
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
   const __m256 m8 = _mm256_set1_ps(mx);
   __m256 sum8 = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
+  for (j = 0; j + 8 <= n; j += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
     _mm256_storeu_ps(s + j, e);
     sum8 = _mm256_add_ps(sum8, e);
