@@ -2,12 +2,14 @@
 
   ab    one bf16 engine on the default model; between rounds its modules switch one kernel
         to torch's; decode tokens/s per batch size against all own kernels
+  prefill  the same engine's prefill of a few shapes under the same configurations
   rows  the projections of one step by row count (1 row per sequence in a decode step,
         1 + drafts in a verify step): the own kernel against torch
 
 Interleaved rounds, medians.
 
     python -m benchmarks.kernels ab
+    python -m benchmarks.kernels prefill --configs widened
     python -m benchmarks.kernels rows
 """
 
@@ -70,23 +72,9 @@ def ab(a: argparse.Namespace) -> Path:
     ignored, fresh prompts every round, configurations interleaved, median tokens/s per
     batch size; every configuration's tokens are compared with ``all``'s (bf16 rounding
     differs between kernels, so a few may differ)."""
-    from tlt_serve import LLM, SamplingParams
-    from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
-    from tlt_serve.kernels import own_avx512_bf16
+    from tlt_serve import SamplingParams
 
-    torch.set_num_threads(a.threads)
-    llm = LLM(config=EngineConfig(
-        model=ModelConfig(model=a.model, dtype="bfloat16", max_model_len=1024),
-        cache=CacheConfig(max_num_seqs=max(a.batches))))
-    model, kernels = llm.engine.model, llm.engine.model.kernels  # the full set
-    if kernels is None:
-        raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
-    configs = (*OFF, *ONLY_AVX512_BF16) if own_avx512_bf16() else OFF
-    if a.configs:
-        unknown = set(a.configs) - set(configs)
-        if unknown:
-            raise SystemExit(f"--configs: {sorted(unknown)} not among {list(configs)} here")
-        configs = ("all", *(c for c in a.configs if c != "all"))
+    llm, model, kernels, configs = _engine(a, max(a.batches), 1024)
     tok = llm.tokenizer
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(chat_prompts(tok, 0, 1), SamplingParams(max_new_tokens=8))
@@ -121,6 +109,92 @@ def ab(a: argparse.Namespace) -> Path:
                                      for b, v in results[c].items()))
     return report(a, {"configs": {c: LABELS[c] for c in configs}, "results": results},
                   plot_ab)
+
+
+def _engine(
+    a: argparse.Namespace, seqs: int, max_len: int
+) -> tuple[Any, Any, Any, tuple[str, ...]]:
+    """One bf16 engine on ``a.model`` for ``seqs`` sequences of ``max_len`` tokens: (LLM, its
+    model, the model's full set of own kernels, the configurations to compare: ``a.configs``
+    or every one this CPU has, "all" first)."""
+    from tlt_serve import LLM
+    from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
+    from tlt_serve.kernels import own_avx512_bf16
+
+    torch.set_num_threads(a.threads)
+    llm = LLM(config=EngineConfig(
+        model=ModelConfig(model=a.model, dtype="bfloat16", max_model_len=max_len),
+        cache=CacheConfig(max_num_seqs=seqs)))
+    model, kernels = llm.engine.model, llm.engine.model.kernels  # the full set
+    if kernels is None:
+        raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
+    configs = (*OFF, *ONLY_AVX512_BF16) if own_avx512_bf16() else OFF
+    if a.configs:
+        unknown = set(a.configs) - set(configs)
+        if unknown:
+            raise SystemExit(f"--configs: {sorted(unknown)} not among {list(configs)} here")
+        configs = ("all", *(c for c in a.configs if c != "all"))
+    return llm, model, kernels, configs
+
+
+def prefill(a: argparse.Namespace) -> Path:
+    """What the kernels buy a prefill: one bf16 engine prefilling ``--shapes`` (sequences x
+    tokens of random ids, one new token each) under each configuration of ``ab``, rounds
+    interleaved, median seconds and tokens/s per shape."""
+    from tlt_serve import SamplingParams
+
+    llm, model, kernels, configs = _engine(a, max(b for b, _ in a.shapes),
+                                           max(n for _, n in a.shapes) + 8)
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def timed(batch: int, tokens: int) -> float:
+        for _ in range(batch):
+            ids = torch.randint(0, engine.vocab_size, (tokens,), generator=gen).tolist()
+            engine.add_request(f"p{next(count)}", ids, params)
+        t0 = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        return time.perf_counter() - t0
+
+    count = iter(range(1 << 62))
+    timed(2, 64)  # warm
+    seconds: dict[str, dict[str, list[float]]] = {c: {} for c in configs}
+    bar = tqdm(total=a.rounds * len(configs) * len(a.shapes), desc="kernels prefill")
+    for _ in range(a.rounds):
+        for c in configs:
+            switch(model, kernels, c)
+            for b, n in a.shapes:
+                seconds[c].setdefault(f"{b}x{n}", []).append(timed(b, n))
+                bar.update()
+    bar.close()
+    switch(model, kernels, "all")
+    results: dict[str, dict[str, dict[str, float]]] = {c: {} for c in configs}
+    for c in configs:
+        for shape, runs in seconds[c].items():
+            med, base = statistics.median(runs), statistics.median(seconds["all"][shape])
+            b, n = map(int, shape.split("x"))
+            results[c][shape] = {"seconds": round(med, 3), "tokens_per_s": round(b * n / med, 1),
+                                 "time_vs_all": round(med / base, 3)}
+        print(c.ljust(10), "  ".join(f"{s} {v['seconds']:.2f} s (x{v['time_vs_all']:.2f} all's)"
+                                     for s, v in results[c].items()))
+    return report(a, {"configs": {c: LABELS[c] for c in configs}, "results": results},
+                  plot_prefill)
+
+
+def plot_prefill(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    results = result["results"]
+    shapes = list(next(iter(results.values())))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    grouped_bars(ax, shapes, {c: {s: v["tokens_per_s"] for s, v in r.items()}
+                              for c, r in results.items()},
+                 [f"{s.replace('x', ' x ')} tokens" for s in shapes])
+    ax.set_ylabel("prefill tokens/s (bf16)")
+    ax.set_title("Prefill under each kernel configuration")
+    ax.legend(fontsize=8)
+    save(fig, path)
 
 
 def plot_ab(result: dict[str, Any], path: Path) -> None:
@@ -252,8 +326,20 @@ def _rows_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
 
 
+def _prefill_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--shapes", type=lambda s: [tuple(map(int, x.split("x"))) for x in s.split(",")],
+                   default=[(16, 512), (64, 128), (1, 2048)],
+                   help="comma-separated SEQUENCESxTOKENS")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--configs", type=lambda s: s.split(","), default=None,
+                   help="as ab's")
+
+
 def main(argv: Sequence[str] | None = None) -> Any:
     return tool(__doc__, "kernels", {"ab": (_ab_arguments, ab),
+                                     "prefill": (_prefill_arguments, prefill),
                                      "rows": (_rows_arguments, rows)}, argv)
 
 
