@@ -35,6 +35,8 @@ LABELS = {"all": "every own kernel", "layer": "the own kernels op by op, no whol
           **{c: f"torch's {c} instead" for c in OFF[2:]},
           "avx2": "the own product's AVX2 path (rows <= 8)",
           "widened": "the own attention with keys widened to fp32, decode rows only (op by op)"}
+SHORT = {"all": "all own kernels", "layer": "own kernels op by op",
+         "avx2": "own product, AVX2 path", "widened": "own attention, keys widened, SDPA prefills"}
 ONLY_AVX512_BF16 = ("avx2", "widened")  # configurations that differ from "all" only there
 
 
@@ -188,7 +190,8 @@ def plot_prefill(result: dict[str, Any], path: Path) -> None:
     results = result["results"]
     shapes = list(next(iter(results.values())))
     fig, ax = plt.subplots(figsize=(7, 4))
-    grouped_bars(ax, shapes, {c: {s: v["tokens_per_s"] for s, v in r.items()}
+    grouped_bars(ax, shapes, {SHORT.get(c, f"torch's {c}"): {
+        s: v["tokens_per_s"] for s, v in r.items()}
                               for c, r in results.items()},
                  [f"{s.replace('x', ' x ')} tokens" for s in shapes])
     ax.set_ylabel("prefill tokens/s (bf16)")
@@ -201,9 +204,7 @@ def plot_ab(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     results, batches = result["results"], [str(b) for b in result["args"]["batches"]]
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = {"all": "all own kernels", "layer": "own kernels op by op",
-              "avx2": "own product, AVX2 path", "widened": "own attention, keys widened"}
-    grouped_bars(ax, batches, {labels.get(c, f"torch's {c}"): {
+    grouped_bars(ax, batches, {SHORT.get(c, f"torch's {c}"): {
         b: cells["tokens_per_s"] for b, cells in r.items()} for c, r in results.items()},
         [f"batch {b}" for b in batches])
     ax.set_ylabel("decode tokens/s (bf16, greedy)")
