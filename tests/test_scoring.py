@@ -240,3 +240,29 @@ def test_ranks_from_the_probe_equal_a_full_count() -> None:
         chosen = lp.gather(1, torch.randint(0, 500, (64, 1), generator=g))
         probe = lp.topk(probe_size, dim=-1).values
         assert _ranks(lp, chosen, probe).tolist() == ((lp > chosen).sum(dim=1) + 1).tolist()
+
+
+def test_the_cpu_scoring_kernel_is_log_softmax_and_a_full_count() -> None:
+    """The two-pass kernel prompt logprobs take on a CPU: each row's log-sum-exp as torch's
+    within fp32 rounding, and the target's rank exactly a full count, with ties, rows whose
+    width is not a multiple of 8, the largest and the smallest logit as targets; bad input
+    refused by name."""
+    from tests.harness import own_kernels
+    from tlt_serve.kernels import token_scores
+
+    own_kernels()
+    fused = token_scores()
+    assert fused is not None
+    g = torch.Generator().manual_seed(1)
+    for V in (1, 7, 8, 500, 49_157):
+        logits = (torch.randn(33, V, generator=g) * 8).round(decimals=1)  # many ties
+        targets = torch.randint(0, V, (33,), generator=g)
+        targets[0], targets[1] = logits[0].argmax(), logits[1].argmin()
+        lse, rank = fused(logits, targets)
+        torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-6)
+        chosen = logits.gather(1, targets.unsqueeze(1))
+        assert rank.tolist() == ((logits > chosen).sum(dim=1) + 1).tolist(), V
+    with pytest.raises(RuntimeError, match="target out of range"):
+        fused(torch.zeros(2, 5), torch.tensor([0, 5]))
+    with pytest.raises(RuntimeError, match="fp32"):
+        fused(torch.zeros(2, 5, dtype=torch.bfloat16), torch.tensor([0, 1]))

@@ -7,10 +7,12 @@ import torch
 
 from tlt_serve.engine.request import PromptLogprobs, Request
 from tlt_serve.engine.scheduler import ScheduledBatch
+from tlt_serve.kernels import token_scores
 from tlt_serve.models.llama import LlamaModel
 
 CHUNK = 256  # positions whose logits [CHUNK, V] are formed at once (memory, not speed)
-RANK_PROBE = 64  # a token's rank is read off the top this many, where it is among them
+RANK_PROBE = 64  # without the CPU kernel: a token's rank is read off the top this many,
+#   where it is among them
 
 
 def first_needed(req: Request) -> int:
@@ -42,20 +44,29 @@ def _score(model: LlamaModel, req: Request, hidden: torch.Tensor) -> PromptLogpr
     ranks: list[int | None] = [None] * (first - start)
     top: list[list[tuple[int, float]]] = [[] for _ in range(first - start)]
     targets = torch.tensor(prompt[first:], device=hidden.device)  # [P]
+    fused = token_scores() if hidden.device.type == "cpu" else None
     for lo in range(0, len(prompt) - first, CHUNK):
         rows = slice(first - 1 - req.cached_tokens + lo,
                      first - 1 - req.cached_tokens + min(lo + CHUNK, len(prompt) - first))
-        lp = torch.log_softmax(model.logits(hidden[rows]).float(), dim=-1)  # [C, V]
-        tgt = targets[lo : lo + lp.shape[0]]  # [C]
-        chosen = lp.gather(1, tgt.unsqueeze(1))  # [C, 1]
-        values, ids = lp.topk(min(max(k, RANK_PROBE), lp.shape[1]), dim=-1)  # [C, P] best first
+        logits = model.logits(hidden[rows]).float()  # [C, V]
+        tgt = targets[lo : lo + logits.shape[0]]  # [C]
+        if fused is not None:  # two passes over each row, nothing [C, V] written
+            lse, rank = fused(logits, tgt)  # [C], [C]
+            chosen = logits.gather(1, tgt.unsqueeze(1)) - lse.unsqueeze(1)  # [C, 1]
+            values, ids = logits.topk(k, dim=-1)  # [C, k] best first
+            values -= lse.unsqueeze(1)
+        else:
+            lp = torch.log_softmax(logits, dim=-1)  # [C, V]
+            chosen = lp.gather(1, tgt.unsqueeze(1))  # [C, 1]
+            values, ids = lp.topk(min(max(k, RANK_PROBE), lp.shape[1]), dim=-1)  # [C, P]
+            rank = _ranks(lp, chosen, values)
         logprobs.extend(chosen.squeeze(1).tolist())
-        ranks.extend(_ranks(lp, chosen, values).tolist())
+        ranks.extend(rank.tolist())
         if k:
             top.extend([list(zip(i, v, strict=True)) for i, v in
                         zip(ids[:, :k].tolist(), values[:, :k].tolist(), strict=True)])
         else:
-            top.extend([] for _ in range(lp.shape[0]))
+            top.extend([] for _ in range(logits.shape[0]))
     return PromptLogprobs(start, logprobs, ranks, top)
 
 

@@ -136,6 +136,19 @@ def cpu_kernels() -> CpuKernels | None:
     )
 
 
+# (logits [C, V] fp32, targets [C] long) → (log-sum-exp [C] fp32, rank [C] long: 1 + how many
+#   logits of the row are larger than its target's)
+TokenScores = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def token_scores() -> TokenScores | None:
+    """Scoring given tokens on a CPU in two passes over each row of logits (``logsumexp_rank``
+    in ``bf16_gemv.cpp``), or None (no kernels here): what prompt logprobs take instead of a
+    full log-softmax, a gather and a top-k."""
+    module = _module()
+    return None if module is None else module.logsumexp_rank
+
+
 def matvec_avx2() -> MatVec | None:
     """The own product on its AVX2 path whatever the CPU (bf16 rows widened to fp32): what
     ``matvec`` was before its AVX512-BF16 path, kept for side-by-side comparisons."""

@@ -304,6 +304,64 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// Scoring given tokens (prompt logprobs): per row of fp32 logits [C, V], its log-sum-exp and
+// the rank of the row's target token (1 + how many logits are larger), in two passes over the
+// row while it is in cache: the maximum, then the sum of exp(x - max) with the count. What
+// torch takes a log-softmax written out in full ([C, V]), a gather and a top-k for (per 256
+// rows of the default model's 49152 logits here: 15 + 8 ms, against ~3 ms for both passes).
+std::tuple<torch::Tensor, torch::Tensor> logsumexp_rank(const torch::Tensor& logits_in,
+                                                        const torch::Tensor& targets_in) {
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat,
+              "logits must be [C, V] fp32");
+  const auto logits = logits_in.contiguous();
+  const auto targets = targets_in.to(at::kLong).contiguous();
+  const int64_t C = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && targets.dim() == 1 && targets.size(0) == C, "targets must be [C]");
+  const float* xv = logits.data_ptr<float>();
+  const int64_t* tv = targets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < C; ++r) TORCH_CHECK(tv[r] >= 0 && tv[r] < V, "target out of range");
+  auto lse = torch::empty({C}, logits.options());
+  auto rank = torch::empty({C}, targets.options());
+  float* lo = lse.data_ptr<float>();
+  int64_t* ro = rank.data_ptr<int64_t>();
+  at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = xv + r * V;
+      const float chosen = x[tv[r]];
+      float mx = x[0];
+      int64_t j = 0;
+      if (V >= 8) {
+        __m256 m8 = _mm256_loadu_ps(x);
+        for (j = 8; j + 8 <= V; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + j));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, m8);
+        for (const float v : lanes) mx = std::max(mx, v);
+      }
+      for (; j < V; ++j) mx = std::max(mx, x[j]);
+      const __m256 m8 = _mm256_set1_ps(mx), c8 = _mm256_set1_ps(chosen);
+      __m256 sum8 = _mm256_setzero_ps();
+      __m256i above8 = _mm256_setzero_si256();  // lanes count -1 per larger logit
+      for (j = 0; j + 8 <= V; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        sum8 = _mm256_add_ps(sum8, exp8(_mm256_sub_ps(v, m8)));
+        above8 = _mm256_add_epi32(above8, _mm256_castps_si256(_mm256_cmp_ps(v, c8, _CMP_GT_OQ)));
+      }
+      float sum = hsum(sum8);
+      alignas(32) int32_t counts[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(counts), above8);
+      int64_t above = 0;
+      for (const int32_t c : counts) above -= c;
+      for (; j < V; ++j) {
+        sum += std::exp(x[j] - mx);
+        above += x[j] > chosen;
+      }
+      lo[r] = mx + std::log(sum);
+      ro[r] = above + 1;
+    }
+  });
+  return {lse, rank};
+}
+
 // The 8 horizontal sums of a[0..7] as one vector (lane i = sum of a[i]).
 static inline __m256 hsum8(const __m256* a) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -763,6 +821,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("avx512", &avx512, "whether attention_bf16 takes its AVX512 path");
   m.def("avx512_bf16", &avx512_bf16, "whether gemv_bf16 takes the AVX512-BF16 path for bf16 rows");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows, fp32 math, HF's rounding order");
+  m.def("logsumexp_rank", &logsumexp_rank,
+        "per row of fp32 logits: its log-sum-exp and the rank of the row's target token");
   m.def("attention_bf16", &attention_bf16,
         "attention of a few query tokens per row over bf16 caches (decode, verify, trees)");
   m.def("attention_bf16_widened", &attention_bf16_widened,
