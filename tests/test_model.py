@@ -387,41 +387,47 @@ def test_attention_dot_product_scores_track_the_widened_path() -> None:
         alone = kernels.attention(q[1:, -1:], k_cache, v_cache, 1, lens[1:, -1:], none, D**-0.5)
         batched = kernels.attention(q, k_cache, v_cache, 0, lens, none, D**-0.5)
         assert torch.equal(alone[0, 0], batched[1, -1]), (G, D)
-    assert same > 0.9 * total  # fp32 sums in another order: bf16 outputs rarely differ
+    assert same > 0.99 * total  # fp32 sums in another order: bf16 outputs rarely differ
 
 
 @torch.inference_mode()
-def test_prefill_rows_take_the_own_attention_up_to_its_limit(tiny_model_dir) -> None:
+def test_prefill_rows_take_the_own_attention_up_to_its_limit(tmp_path) -> None:
     """``CpuKernels.attention_queries`` bounds the query tokens per row the own attention
-    takes: a prefill of a 20-token row goes to SDPA under a limit of 16 and to the kernel under
-    one of 32, with the same logits within bf16 rounding."""
+    takes for heads of ``DOT_HEAD_DIMS`` (others keep 16): on a model of head size 64 a
+    prefill of a 20-token row goes to SDPA under a limit of 16 and to the kernel under one of
+    32 (the dot-product scores where the CPU has AVX512-BF16), with the same logits within
+    bf16 rounding; a model of head size 16 keeps SDPA for it under either limit."""
+    from tests.tiny import make_tiny_model
     from tlt_serve.engine.runner import extend_batch
     from tlt_serve.models.llama import Attention
 
     own_kernels()
-    model = build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True)
-    kernels = model.kernels
-    assert kernels is not None and kernels.attention is not None
-    layers = sum(isinstance(m, Attention) for m in model.modules())
-    kernel, calls = kernels.attention, []
+    for head_dim in (64, 16):
+        path = make_tiny_model(tmp_path / str(head_dim), hidden=4 * head_dim)
+        model = build_model(path, torch.bfloat16, 64, cpu_kernels=True)
+        kernels = model.kernels
+        assert kernels is not None and kernels.attention is not None
+        layers = sum(isinstance(m, Attention) for m in model.modules())
+        kernel, calls = kernels.attention, []
 
-    def counted(*args: object) -> torch.Tensor:
-        calls.append(1)
-        return kernel(*args)  # type: ignore[arg-type]
+        def counted(*args: object, kernel=kernel, calls=calls) -> torch.Tensor:
+            calls.append(1)
+            return kernel(*args)  # type: ignore[arg-type]
 
-    g = torch.Generator().manual_seed(3)
-    V = model.cfg.vocab_size
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 20, 9)]
-    logits = []
-    for limit in (16, 32):
-        calls.clear()
-        set_cpu_kernels(model, replace(kernels, attention=counted, layer=None,
-                                       attention_queries=limit))
-        kv = KVCache(model.cfg, rows=3, max_len=32, dtype=torch.bfloat16)
-        batch, ids = extend_batch(kv, 0, [0, 0, 0], prompts)
-        logits.append(model.logits(model(ids, batch, kv.layers).hidden[:, 4]))
-        assert len(calls) == (layers if limit >= 20 else 0), limit
-    torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.05)
+        g = torch.Generator().manual_seed(3)
+        V = model.cfg.vocab_size
+        prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 20, 9)]
+        logits = []
+        for limit in (16, 32):
+            calls.clear()
+            set_cpu_kernels(model, replace(kernels, attention=counted, layer=None,
+                                           attention_queries=limit))
+            kv = KVCache(model.cfg, rows=3, max_len=32, dtype=torch.bfloat16)
+            batch, ids = extend_batch(kv, 0, [0, 0, 0], prompts)
+            logits.append(model.logits(model(ids, batch, kv.layers).hidden[:, 4]))
+            takes = head_dim == 64 and limit >= 20
+            assert len(calls) == (layers if takes else 0), (head_dim, limit)
+        torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.05)
 
 
 def test_attention_kernel_is_used_only_within_its_limits(tiny_model_dir) -> None:

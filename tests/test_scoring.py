@@ -243,26 +243,42 @@ def test_ranks_from_the_probe_equal_a_full_count() -> None:
 
 
 def test_the_cpu_scoring_kernel_is_log_softmax_and_a_full_count() -> None:
-    """The two-pass kernel prompt logprobs take on a CPU: each row's log-sum-exp as torch's
-    within fp32 rounding, and the target's rank exactly a full count, with ties, rows whose
-    width is not a multiple of 8, the largest and the smallest logit as targets; bad input
-    refused by name."""
+    """The two-pass kernel prompt logprobs take on a CPU: each row's maximum and log-sum of
+    exponentials give torch's log-softmax within fp32 rounding, and the target's rank is
+    exactly a full count, with ties, rows whose width is not a multiple of 8, the largest and
+    the smallest logit as targets; bad input refused by name."""
     from tests.harness import own_kernels
-    from tlt_serve.kernels import token_scores
 
-    own_kernels()
-    fused = token_scores()
+    fused = own_kernels().scores
     assert fused is not None
     g = torch.Generator().manual_seed(1)
     for V in (1, 7, 8, 500, 49_157):
         logits = (torch.randn(33, V, generator=g) * 8).round(decimals=1)  # many ties
         targets = torch.randint(0, V, (33,), generator=g)
         targets[0], targets[1] = logits[0].argmax(), logits[1].argmin()
-        lse, rank = fused(logits, targets)
-        torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-6)
+        mx, logsum, rank = fused(logits, targets)
         chosen = logits.gather(1, targets.unsqueeze(1))
+        want = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+        torch.testing.assert_close((chosen.squeeze(1) - mx) - logsum, want, atol=2e-6, rtol=1e-6)
+        assert torch.equal(mx, logits.amax(dim=1))
         assert rank.tolist() == ((logits > chosen).sum(dim=1) + 1).tolist(), V
     with pytest.raises(RuntimeError, match="target out of range"):
         fused(torch.zeros(2, 5), torch.tensor([0, 5]))
     with pytest.raises(RuntimeError, match="fp32"):
         fused(torch.zeros(2, 5, dtype=torch.bfloat16), torch.tensor([0, 1]))
+
+
+def test_scores_across_chunks_of_logits_equal_teacher_forcing(llm: LLM, hf, monkeypatch) -> None:
+    """Logits are formed a few positions at a time (``CHUNK_BYTES``): with chunks of 3
+    positions a prompt's logprobs, ranks and top logprobs cross many chunk edges and still
+    equal HF's teacher-forced ones; the engine's fp32 model scores with the CPU kernel."""
+    from tlt_serve.engine import scoring
+
+    assert llm.engine.model.kernels is not None and llm.engine.model.kernels.scores is not None
+    V = llm.engine.model.lm_head.weight.shape[0]
+    monkeypatch.setattr(scoring, "CHUNK_BYTES", 3 * 4 * V)
+    prompt = llm.tokenizer.encode(PROMPTS[2] * 2)
+    assert len(prompt) > 12
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=0, prompt_logprobs=3,
+                                                prompt_logprobs_start=1))
+    check(out[0].samples[0].prompt_logprobs, hf, prompt, 1, 3)

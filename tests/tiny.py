@@ -48,18 +48,20 @@ def build_tokenizer(vocab_size: int = 400) -> transformers.PreTrainedTokenizerFa
 
 
 def make_tiny_model(
-    out: Path, model_type: str = "llama", seed: int = 0, layers: int = 2, vocab: int = 400
+    out: Path, model_type: str = "llama", seed: int = 0, layers: int = 2, vocab: int = 400,
+    hidden: int = 64, heads: int = 4, kv_heads: int = 2,
 ) -> Path:
-    """Write an HF directory (config, safetensors, tokenizer) of a random tiny model."""
+    """Write an HF directory (config, safetensors, tokenizer) of a random tiny model (head
+    size 16 unless ``hidden`` / ``heads`` of a Llama say otherwise)."""
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(vocab)
     common = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=1024,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,

@@ -7,13 +7,14 @@ import torch
 
 from tlt_serve.engine.request import PromptLogprobs, Request
 from tlt_serve.engine.scheduler import ScheduledBatch
-from tlt_serve.kernels import token_scores
 from tlt_serve.models.llama import LlamaModel
 
-# Positions whose logits [CHUNK, V] are formed at once. Over ~32 MB (256 x 49152 fp32) glibc
-# hands each new tensor fresh pages from the kernel, and the first touch of each costs: the head
-# of 256 positions took 34 ms with its widening to fp32, 19.5 without; 128 positions 12.5 ms.
-CHUNK = 128
+# Bytes of fp32 logits formed at once (positions x vocabulary). Above ~32 MB glibc hands each
+# new tensor fresh pages from the kernel, and their first touch costs: the head of 256
+# positions of a 49152-token vocabulary (50 MB) took 34 ms with its widening to fp32, 19.5
+# without; 128 positions (25 MB) 12.5 ms.
+CHUNK_BYTES = 24 << 20
+MAX_CHUNK = 256  # positions
 RANK_PROBE = 64  # without the CPU kernel: a token's rank is read off the top this many,
 #   where it is among them
 
@@ -47,21 +48,25 @@ def _score(model: LlamaModel, req: Request, hidden: torch.Tensor) -> PromptLogpr
     ranks: list[int | None] = [None] * (first - start)
     top: list[list[tuple[int, float]]] = [[] for _ in range(first - start)]
     targets = torch.tensor(prompt[first:], device=hidden.device)  # [P]
-    fused = token_scores() if hidden.device.type == "cpu" else None
-    for lo in range(0, len(prompt) - first, CHUNK):
+    kernels = model.kernels
+    fused = kernels.scores if kernels is not None and hidden.device.type == "cpu" else None
+    V = model.lm_head.weight.shape[0]
+    chunk = max(1, min(MAX_CHUNK, CHUNK_BYTES // (4 * V)))
+    for lo in range(0, len(prompt) - first, chunk):
         rows = slice(first - 1 - req.cached_tokens + lo,
-                     first - 1 - req.cached_tokens + min(lo + CHUNK, len(prompt) - first))
+                     first - 1 - req.cached_tokens + min(lo + chunk, len(prompt) - first))
         logits = model.logits(hidden[rows]).float()  # [C, V]
-        tgt = targets[lo : lo + logits.shape[0]]  # [C]
+        tgt = targets[lo : lo + logits.shape[0]].unsqueeze(1)  # [C, 1]
         if fused is not None:  # two passes over each row, nothing [C, V] written
-            lse, rank = fused(logits, tgt)  # [C], [C]
-            chosen = logits.gather(1, tgt.unsqueeze(1)) - lse.unsqueeze(1)  # [C, 1]
-            values, ids = logits.topk(k, dim=-1)  # [C, k] best first
-            values -= lse.unsqueeze(1)
+            mx, logsum, rank = fused(logits, tgt.squeeze(1))  # [C] each
+            chosen = (logits.gather(1, tgt) - mx[:, None]) - logsum[:, None]  # [C, 1]
+            if k:
+                values, ids = logits.topk(min(k, V), dim=-1)  # [C, k] best first
+                values = (values - mx[:, None]) - logsum[:, None]
         else:
             lp = torch.log_softmax(logits, dim=-1)  # [C, V]
-            chosen = lp.gather(1, tgt.unsqueeze(1))  # [C, 1]
-            values, ids = lp.topk(min(max(k, RANK_PROBE), lp.shape[1]), dim=-1)  # [C, P]
+            chosen = lp.gather(1, tgt)  # [C, 1]
+            values, ids = lp.topk(min(max(k, RANK_PROBE), V), dim=-1)  # [C, P]
             rank = _ranks(lp, chosen, values)
         logprobs.extend(chosen.squeeze(1).tolist())
         ranks.extend(rank.tolist())

@@ -1,9 +1,11 @@
 """Optional CPU kernels, compiled on first use with the machine's C++ compiler.
 
 ``cpu_kernels()`` returns the kernels of ``bf16_gemv.cpp`` (AVX2; the product of bf16 rows
-takes AVX512-BF16 dot products where the CPU has them): the bf16 matrix × rows product, the
-RMSNorm, the attention of a few query tokens per row (decode, verify, draft trees), and all of them
-as one whole decoder layer (``decoder_layer.cpp``); or None when
+and the attention's scores take AVX512-BF16 dot products where the CPU has them): the bf16
+matrix × rows product, the RMSNorm, the attention of query tokens over their rows' caches
+(decode, verify, draft trees; prefills where the scores take dot products), all of them as one
+whole decoder layer (``decoder_layer.cpp``), and the log-softmax parts and rank of scored
+tokens (prompt logprobs, any dtype); or None when
 they cannot be had (no AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``);
 callers then use torch's own kernels, so nothing depends on them for correctness.
 
@@ -48,6 +50,11 @@ RowAttention = Callable[
 # empty, qkv, o, post norm, gate_up, down weights, eps, k_cache, v_cache, rope [B*Q, 2, D],
 # slots [R], lens [B*Q], tree bits [B*Q] or empty, row_lo, Q, heads, scale) → x [R, H]
 LayerKernel = Callable[..., torch.Tensor]
+# (logits [C, V] fp32, targets [C] long) → each row's maximum m [C] and log(sum(exp(x - m))) [C]
+#   (fp32: a logprob is (x - m) - that, as torch's log-softmax) and its target's rank [C] long
+#   (1 + how many logits of the row are larger), in two passes over the row
+TokenScores = Callable[[torch.Tensor, torch.Tensor],
+                       tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 # Most rows the own product multiplies; more go to torch (see ``models.llama.Linear``). Where
@@ -65,14 +72,16 @@ MATVEC_ROWS_AVX512_BF16 = 32
 # Most query tokens per row the own attention takes; longer rows (prefill) go to torch's SDPA,
 # which tiles them. The own attention computes each (query, KV head) alone over exactly the
 # keys it sees, its rows' keys and values staying in cache for the next query. With the
-# AVX512-BF16 scores it beats SDPA's causal attention at every prefill length measured (default
-# model's heads, 2 threads, Zen 5 EPYC, ms a layer: 16 rows x 128 tokens 1.6 vs 4.7, 16 x 512
-# 25 vs 63, 4 x 512 after 512 cached 15.6 vs 31.3, 1 x 2048 30 vs 36, 1 x 4096 126 vs 130), so
-# there it takes prefills too, and a prompt's tokens get the bits a decode step would give them.
+# AVX512-BF16 scores it beat SDPA's causal attention at every prefill length measured ad hoc
+# (default model's heads, 2 threads, AVX512-BF16 EPYC, ms a layer: 16 rows x 128 tokens 1.6 vs
+# 4.7, 16 x 512 25 vs 63, 4 x 512 after 512 cached 15.6 vs 31.3, 1 x 2048 30 vs 36, 1 x 4096
+# 126 vs 130, before the threads' work was balanced), so there it takes prefills too, and a
+# prompt's tokens get the bits a decode step would give them.
 # Without them (keys widened to fp32) it is as fast as SDPA up to ~512 tokens and half its
 # speed at 2048: decode and verify rows only.
 ATTENTION_QUERIES = 16
 ATTENTION_QUERIES_AVX512_BF16 = 4096
+DOT_HEAD_DIMS = (64, 128, 256)  # head sizes whose scores take the dot products (others: 16)
 SOURCES = ("bf16_gemv.cpp", "decoder_layer.cpp", "bf16_kernels.h")
 BUILD_WAIT_S = 600.0  # longest wait on another process's build of the same kernels
 
@@ -84,12 +93,14 @@ class CpuKernels:
 
     matvec: MatVec | None  # bf16 weight [N, K] × rows [M, K] → [M, N], fp32 accumulation
     norm: NormKernel | None  # RMSNorm of bf16 rows, HF's rounding order
-    attention: RowAttention | None  # a few query tokens per row over its cached keys
+    attention: RowAttention | None  # query tokens over their rows' cached keys
     matvec_rows: int = MATVEC_ROWS  # products of more rows use torch's
-    attention_queries: int = ATTENTION_QUERIES  # rows of more query tokens use torch's SDPA
+    # rows of more query tokens use torch's SDPA (heads of DOT_HEAD_DIMS; others: 16)
+    attention_queries: int = ATTENTION_QUERIES
     # A whole decoder layer in one call, built on this module's product, norm and attention:
     # a copy that replaces any of them (an A/B) must drop it too.
     layer: LayerKernel | None = None
+    scores: TokenScores | None = None  # prompt logprobs: log-softmax parts and ranks
 
 
 def _module() -> Any:
@@ -133,20 +144,8 @@ def cpu_kernels() -> CpuKernels | None:
     return CpuKernels(
         module.gemv_bf16, module.rms_norm_bf16, module.attention_bf16, rows,
         attention_queries=queries, layer=module.decoder_layer_bf16,
+        scores=module.log_softmax_rank,
     )
-
-
-# (logits [C, V] fp32, targets [C] long) → (log-sum-exp [C] fp32, rank [C] long: 1 + how many
-#   logits of the row are larger than its target's)
-TokenScores = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def token_scores() -> TokenScores | None:
-    """Scoring given tokens on a CPU in two passes over each row of logits (``logsumexp_rank``
-    in ``bf16_gemv.cpp``), or None (no kernels here): what prompt logprobs take instead of a
-    full log-softmax, a gather and a top-k."""
-    module = _module()
-    return None if module is None else module.logsumexp_rank
 
 
 def matvec_avx2() -> MatVec | None:

@@ -320,13 +320,14 @@ static inline float row_max(const float* x, int64_t n) {
   return mx;
 }
 
-// Scoring given tokens (prompt logprobs): per row of fp32 logits [C, V], its log-sum-exp and
-// the rank of the row's target token (1 + how many logits are larger), in two passes over the
-// row while it is in cache: the maximum, then the sum of exp(x - max) with the count. What
+// Scoring given tokens (prompt logprobs): per row of fp32 logits [C, V], the two parts of its
+// log-softmax, the maximum m and log(sum(exp(x - m))) (a logprob is (x - m) - that, as torch
+// computes it), and the rank of the row's target token (1 + how many logits are larger), in two
+// passes over the row while it is in cache: the maximum, then the sum with the count. What
 // torch takes a log-softmax written out in full ([C, V]), a gather and a top-k for (per 256
 // rows of the default model's 49152 logits here: 15 + 8 ms, against ~3 ms for both passes).
-std::tuple<torch::Tensor, torch::Tensor> logsumexp_rank(const torch::Tensor& logits_in,
-                                                        const torch::Tensor& targets_in) {
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> log_softmax_rank(
+    const torch::Tensor& logits_in, const torch::Tensor& targets_in) {
   TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat,
               "logits must be [C, V] fp32");
   const auto logits = logits_in.contiguous();
@@ -336,9 +337,10 @@ std::tuple<torch::Tensor, torch::Tensor> logsumexp_rank(const torch::Tensor& log
   const float* xv = logits.data_ptr<float>();
   const int64_t* tv = targets.data_ptr<int64_t>();
   for (int64_t r = 0; r < C; ++r) TORCH_CHECK(tv[r] >= 0 && tv[r] < V, "target out of range");
-  auto lse = torch::empty({C}, logits.options());
+  auto maxima = torch::empty({C}, logits.options());
+  auto logsums = torch::empty({C}, logits.options());
   auto rank = torch::empty({C}, targets.options());
-  float* lo = lse.data_ptr<float>();
+  float *mo = maxima.data_ptr<float>(), *lo = logsums.data_ptr<float>();
   int64_t* ro = rank.data_ptr<int64_t>();
   at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -363,11 +365,12 @@ std::tuple<torch::Tensor, torch::Tensor> logsumexp_rank(const torch::Tensor& log
         sum += std::exp(x[j] - mx);
         above += x[j] > chosen;
       }
-      lo[r] = mx + std::log(sum);
+      mo[r] = mx;
+      lo[r] = std::log(sum);
       ro[r] = above + 1;
     }
   });
-  return {lse, rank};
+  return {maxima, logsums, rank};
 }
 
 // The 8 horizontal sums of a[0..7] as one vector (lane i = sum of a[i]).
@@ -670,36 +673,51 @@ TLT_AVX512BF16 static void attend_head_dot(const uint16_t* Qh, const uint16_t* K
   }
 }
 
-// One (query token, KV head) on the path asked for (AttentionPath), or the fastest this CPU
-// has. The widening AVX512 path gives the AVX2 path's bits; the dot-product path its own.
+// How a call's (query token, KV head) pairs are computed, decided once per call from the path
+// asked for (kAttention*), the CPU and the head size: AVX512-BF16 dot-product scores, keys
+// widened on AVX512 (the AVX2 path's bits), or the AVX2 path.
+enum class HeadKernel { dot, widened512, avx2 };
+
+static HeadKernel head_kernel(int path, int64_t D) {
+  const bool sized = D == 64 || D == 128 || D == 256;
+  if (path == kAttentionBest && sized && avx512_bf16() && avx512()) return HeadKernel::dot;
+  if (path != kAttentionAvx2 && sized && avx512()) return HeadKernel::widened512;
+  return HeadKernel::avx2;
+}
+
+// One (query token, KV head): Qh [G, D] bf16 for the dot path, qf its fp32 pre-scaled copy for
+// the others.
 template <typename Col>
-static void attend_head_any(const uint16_t* Qh, const float (*qf)[256], const uint16_t* K,
-                            const uint16_t* V, int64_t n, int64_t G, int64_t D, float scale,
-                            Col col, int path, std::vector<float>& scores, uint16_t* Ot) {
-  if (path == kAttentionBest && avx512_bf16()) {
+static void attend_head_any(HeadKernel how, const uint16_t* Qh, const float (*qf)[256],
+                            const uint16_t* K, const uint16_t* V, int64_t n, int64_t G,
+                            int64_t D, float scale, Col col, std::vector<float>& scores,
+                            uint16_t* Ot) {
+  if (how == HeadKernel::dot) {
     if (D == 64) return attend_head_dot<4>(Qh, K, V, n, G, scale, col, scores, Ot);
     if (D == 128) return attend_head_dot<8>(Qh, K, V, n, G, scale, col, scores, Ot);
-    if (D == 256) return attend_head_dot<16>(Qh, K, V, n, G, scale, col, scores, Ot);
+    return attend_head_dot<16>(Qh, K, V, n, G, scale, col, scores, Ot);
   }
-  if (path != kAttentionAvx2 && avx512()) {
+  if (how == HeadKernel::widened512) {
     if (D == 64) return attend_head_avx512<4>(qf, K, V, n, G, col, scores, Ot);
     if (D == 128) return attend_head_avx512<8>(qf, K, V, n, G, col, scores, Ot);
-    if (D == 256) return attend_head_avx512<16>(qf, K, V, n, G, col, scores, Ot);
+    return attend_head_avx512<16>(qf, K, V, n, G, col, scores, Ot);
   }
   attend_head(qf, K, V, n, G, D, col, scores, Ot);
 }
 
-// Causal attention of a few query tokens per row over the row's cached keys (decode: one per
-// row; chain verification and drafter catch-up: last token + drafts), GQA without expanding
+// Causal attention of query tokens over their rows' cached keys (decode: one per row; chain
+// verification and drafter catch-up: last token + drafts; prefills), GQA without expanding
 // K/V: q [B, Q, kvH, G, D] bf16 (G query heads share a KV head), caches [S, kvH, L, D] bf16,
 // rows row_lo.. of the batch; query (b, j) sees key columns [0, lens[b, j]) (0: a padding
 // query, output zeros). With tree bits (a tree node: tree verification, tree drafting) query t
 // with bits[t] != 0 sees lens[t] keys: columns [0, n0) and n0 + i for each set bit i, n0 =
 // lens[t] - popcount(bits[t]) (its ancestors and itself). fp32 scores, softmax and weighted sum; output [B, Q, kvH, G, D]
 // rounded to bf16 once. Each (query, KV head) is computed alone, the same way whatever the
-// batch: a token scored in a verify step gets exactly the output it gets in a decode step.
-// Per layer at 300 cached tokens here: 24 vs 50-75 us for torch's SDPA at batch 1, 238 vs 657
-// us at batch 16.
+// batch: a token scored in a verify step or a prefill gets exactly the output it gets in a
+// decode step. Per layer at 300 cached tokens here: 24 vs 50-75 us for torch's SDPA at batch 1,
+// 238 vs 657 us at batch 16. The threads take contiguous ranges of the work, and in a prefill
+// token j sees j + 1 keys: taken in the order 0, T - 1, 1, T - 2, .. every range holds as many
+// short rows as long ones (a 2048-token prefill on 2 threads: the later half was 3/4 of it).
 void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
                    const int64_t* rows, const int64_t* lens, const int64_t* bits, int64_t T,
                    int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* ov,
@@ -710,12 +728,15 @@ void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, con
   // Small problems (batch 1, short rows) are cheaper on one thread than waking the pool.
   const int64_t grain = keys * kvH * G * D < (1 << 16) ? work : 1;
   const float fscale = static_cast<float>(scale);
+  const HeadKernel how = head_kernel(path, D);
   at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     float qf[16][256];
     int64_t extra[64];
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t t = w / kvH, h = w % kvH, n = lens[t];
+      const int64_t i = w / kvH, h = w % kvH;
+      const int64_t t = (i & 1) ? T - 1 - (i >> 1) : (i >> 1);  // 0, T - 1, 1, T - 2, ..
+      const int64_t n = lens[t];
       uint16_t* Ot = ov + t * o_stride + h * G * D;  // [G, D]
       if (n == 0) {
         std::fill(Ot, Ot + G * D, static_cast<uint16_t>(0));
@@ -724,19 +745,19 @@ void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, con
       const uint16_t* K = kc + (rows[t] * kvH + h) * L * D;  // [L, D]
       const uint16_t* V = vc + (rows[t] * kvH + h) * L * D;
       const uint16_t* Qh = qv + t * q_stride + h * G * D;  // [G, D]
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g][d] = bf16_to_f32(Qh[g * D + d]) * static_cast<float>(scale);
+      if (how != HeadKernel::dot)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) qf[g][d] = bf16_to_f32(Qh[g * D + d]) * fscale;
       const uint64_t b = bits != nullptr ? static_cast<uint64_t>(bits[t]) : 0;
       if (b == 0) {
-        attend_head_any(Qh, qf, K, V, n, G, D, fscale, Contiguous{}, path, scores, Ot);
+        attend_head_any(how, Qh, qf, K, V, n, G, D, fscale, Contiguous{}, scores, Ot);
         continue;
       }
       const int64_t n0 = n - __builtin_popcountll(b);  // the shared prefix, then the set bits
       int64_t m = 0;
       for (int i = 0; i < 64; ++i)
         if (b >> i & 1u) extra[m++] = n0 + i;
-      attend_head_any(Qh, qf, K, V, n, G, D, fscale, Gathered{n0, extra}, path, scores,
-                      Ot);
+      attend_head_any(how, Qh, qf, K, V, n, G, D, fscale, Gathered{n0, extra}, scores, Ot);
     }
   });
 }
@@ -817,18 +838,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("out_bf16") = false);
   m.def("gemv_bf16_avx2", &gemv_bf16_avx2, "gemv_bf16 on the AVX2 path only (for comparisons)",
         pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("out_bf16") = false);
-  m.def("avx512", &avx512, "whether attention_bf16 takes its AVX512 path");
-  m.def("avx512_bf16", &avx512_bf16, "whether gemv_bf16 takes the AVX512-BF16 path for bf16 rows");
+  m.def("avx512", &avx512, "whether the attention with keys widened takes its AVX512 path");
+  m.def("avx512_bf16", &avx512_bf16,
+        "whether gemv_bf16 (bf16 rows) and attention_bf16 (scores) take AVX512-BF16 dot products");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows, fp32 math, HF's rounding order");
-  m.def("logsumexp_rank", &logsumexp_rank,
-        "per row of fp32 logits: its log-sum-exp and the rank of the row's target token");
+  m.def("log_softmax_rank", &log_softmax_rank,
+        "per row of fp32 logits: its maximum, log(sum(exp(x - max))) and its target's rank");
   m.def("attention_bf16", &attention_bf16,
-        "attention of a few query tokens per row over bf16 caches (decode, verify, trees)");
+        "attention of query tokens over their rows' bf16 caches (decode, verify, trees, prefills)");
   m.def("attention_bf16_widened", &attention_bf16_widened,
         "attention_bf16 with keys widened to fp32 (AVX512 where the CPU has it, else AVX2): "
         "the AVX2 path's bits; for comparisons");
   m.def("attention_bf16_avx2", &attention_bf16_avx2,
-        "attention_bf16 on the AVX2 path only (the same bits; for comparisons)");
+        "attention on the AVX2 path only (the bits of attention_bf16_widened; for comparisons)");
   m.def("decoder_layer_bf16", &decoder_layer_bf16,
         "one decoder layer for rows of a few causal query tokens (decoder_layer.cpp)");
 }

@@ -1,5 +1,6 @@
-// One whole decoder layer (Llama family without biases or q/k norms) in one call, for rows of
-// a few query tokens (decode, chain and tree verification, drafter steps). At batch 1 a layer's
+// One whole decoder layer (Llama family without biases or q/k norms) in one call, for the few
+// rows the own product takes (decode, chain and tree verification, drafter steps, short
+// prefills). At batch 1 a layer's
 // products take ~0.3 ms (they stream the weights from memory) and the ~35 torch ops around
 // them as much again in dispatch; here they are loops over a handful of rows.
 // Every value is rounded as the op-by-op torch path rounds it (the same kernels for products,

@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tlt_serve.kernels import CpuKernels, native_bf16_gemm
 from tlt_serve.kernels import cpu_kernels as own_kernels
-from tlt_serve.kernels import native_bf16_gemm
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.llama import LlamaModel, refresh_fp32_copies, set_cpu_kernels
 from tlt_serve.models.rope import cos_sin_table
@@ -183,10 +183,10 @@ def build_model(
 ) -> LlamaModel:
     """Instantiate the model of an HF directory and load all of its weights.
 
-    bf16 on CPU: products of up to ``CpuKernels.matvec_rows`` rows, the RMSNorms and decode
+    bf16 on CPU: products of up to ``CpuKernels.matvec_rows`` rows, the RMSNorms and the
     attention use the own AVX2 kernels when ``cpu_kernels`` and they build; larger products
-    run in fp32 where the CPU lacks bf16 GEMM (see ``Linear``).
-    """
+    run in fp32 where the CPU lacks bf16 GEMM (see ``Linear``). fp32 on CPU: only scoring's
+    kernel (``CpuKernels.scores``)."""
     cfg = ArchConfig.from_dir(path)
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions)
@@ -199,7 +199,10 @@ def build_model(
     load_weights(model, iter_safetensors(path), require_all=True)
     cpu_bf16 = dtype == torch.bfloat16 and device.startswith("cpu")
     model.set_fp32_batch_matmul(cpu_bf16 and not native_bf16_gemm())
-    if cpu_bf16 and cpu_kernels:
-        set_cpu_kernels(model, own_kernels())
+    if cpu_kernels and device.startswith("cpu"):
+        own = own_kernels()
+        if own is not None and not cpu_bf16:  # fp32: only scoring's kernel applies
+            own = CpuKernels(matvec=None, norm=None, attention=None, scores=own.scores)
+        set_cpu_kernels(model, own)
     return model.eval().requires_grad_(False)
 
