@@ -716,8 +716,9 @@ static void attend_head_any(HeadKernel how, const uint16_t* Qh, const float (*qf
 // batch: a token scored in a verify step or a prefill gets exactly the output it gets in a
 // decode step. Per layer at 300 cached tokens here: 24 vs 50-75 us for torch's SDPA at batch 1,
 // 238 vs 657 us at batch 16. The threads take contiguous ranges of the work, and in a prefill
-// token j sees j + 1 keys: taken in the order 0, T - 1, 1, T - 2, .. every range holds as many
-// short rows as long ones (a 2048-token prefill on 2 threads: the later half was 3/4 of it).
+// token j of a row sees j + 1 keys: each row's tokens taken in the order 0, n - 1, 1, n - 2, ..
+// give every range as many short queries as long ones (one 2048-token prefill on 2 threads:
+// the later half was 3/4 of it), and a row's keys stay in cache between its tokens.
 void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
                    const int64_t* rows, const int64_t* lens, const int64_t* bits, int64_t T,
                    int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* ov,
@@ -729,14 +730,20 @@ void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, con
   const int64_t grain = keys * kvH * G * D < (1 << 16) ? work : 1;
   const float fscale = static_cast<float>(scale);
   const HeadKernel how = head_kernel(path, D);
+  std::vector<int64_t> order(static_cast<size_t>(T));  // within each run of one row's tokens
+  for (int64_t s = 0; s < T;) {
+    int64_t e = s + 1;
+    while (e < T && rows[e] == rows[s]) ++e;
+    for (int64_t i = 0, n = e - s; i < n; ++i)
+      order[static_cast<size_t>(s + i)] = s + ((i & 1) ? n - 1 - (i >> 1) : (i >> 1));
+    s = e;
+  }
   at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     float qf[16][256];
     int64_t extra[64];
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t i = w / kvH, h = w % kvH;
-      const int64_t t = (i & 1) ? T - 1 - (i >> 1) : (i >> 1);  // 0, T - 1, 1, T - 2, ..
-      const int64_t n = lens[t];
+      const int64_t t = order[static_cast<size_t>(w / kvH)], h = w % kvH, n = lens[t];
       uint16_t* Ot = ov + t * o_stride + h * G * D;  // [G, D]
       if (n == 0) {
         std::fill(Ot, Ot + G * D, static_cast<uint16_t>(0));
