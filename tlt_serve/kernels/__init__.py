@@ -77,8 +77,9 @@ MATVEC_ROWS_AVX512_BF16 = 32
 # 4.7, 16 x 512 25 vs 63, 4 x 512 after 512 cached 15.6 vs 31.3, 1 x 2048 30 vs 36, 1 x 4096
 # 126 vs 130, before the threads' work was balanced), so there it takes prefills too, and a
 # prompt's tokens get the bits a decode step would give them.
-# Without them (keys widened to fp32) it is as fast as SDPA up to ~512 tokens and half its
-# speed at 2048: decode and verify rows only.
+# Without them the keys are widened to fp32: on AVX2 alone that path is about as fast as SDPA
+# at 4 x 512 tokens after 512 cached (32.4 vs 31.3 ms) and half its speed at 1 x 2048 (67 vs
+# 36), and hosts with AVX512 but no AVX512-BF16 were not measured: decode and verify rows only.
 ATTENTION_QUERIES = 16
 ATTENTION_QUERIES_AVX512_BF16 = 4096
 DOT_HEAD_DIMS = (64, 128, 256)  # head sizes whose scores take the dot products (others: 16)
