@@ -72,6 +72,23 @@ def test_values_are_per_sequence_and_count_rare_slow_steps() -> None:
     assert bandit.choose(6) == PLAIN
 
 
+def test_a_preempted_plain_step_does_not_lift_a_losing_arm() -> None:
+    """Plain decoding has no slow steps of its own: one the host preempted (30x) counts at
+    most twice its median, so the yardstick holds and an arm that loses by 8% stays below it
+    (counted at up to 16x, the yardstick fell by a third and that arm was exploited until
+    the slow step left the window)."""
+    bandit = StrategyBandit([PLAIN, DRAFT4], max_batch=8, epsilon=0.0, min_trials=3,
+                            budget=1.0, prune=0.0, refresh=10**9)
+    for _ in range(31):
+        bandit.update(4, PLAIN, tokens=4, seconds=0.1)  # 10 tokens/s per sequence
+    for _ in range(3):
+        bandit.update(4, DRAFT4, tokens=4.4, seconds=0.12)  # 9.2
+    assert bandit.choose(4) == PLAIN
+    bandit.update(4, PLAIN, tokens=4, seconds=3.0)
+    assert bandit.table()["2-4"]["none"] == round(32 / 3.3, 1)
+    assert bandit.choose(4) == PLAIN
+
+
 def test_epsilon_explores_with_a_seeded_stream() -> None:
     def picks(seed: int) -> list[Strategy]:
         b = StrategyBandit(

@@ -88,14 +88,19 @@ PLAIN = Strategy("none")
 
 
 SLOW_CAP = 16.0  # a step counts at most this many times its arm's median step
+# ... a plain step at most this many: plain decoding has no rare slow steps of its own (no
+# catch-up), so a slower one is the host's, and counted whole it made every arm that lost
+# look ahead of the yardstick until it left the window (refreshed a step at a time).
+PLAIN_CAP = 2.0
 
 
 class _Window:
     """An arm's recent steps in one bucket: (tokens committed per running sequence, seconds);
     its figures are computed once per step added (the policy reads them many times a step)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, cap: float = SLOW_CAP) -> None:
         self.steps: deque[tuple[float, float]] = deque(maxlen=size)
+        self.cap = cap  # a step's seconds count at most this many times the median
         self._figures: tuple[float, float, float] | None = None  # median s, rate, best
 
     def __len__(self) -> int:
@@ -112,7 +117,7 @@ class _Window:
     def _computed(self) -> tuple[float, float, float]:
         if self._figures is None:
             median = statistics.median(s for _, s in self.steps)
-            cap = SLOW_CAP * median
+            cap = self.cap * median
             rate = sum(t for t, _ in self.steps) / sum(min(s, cap) for _, s in self.steps)
             self._figures = (median, rate, max(t / s for t, s in self.steps))
         return self._figures
@@ -124,7 +129,8 @@ class _Window:
         """Tokens per second per sequence over the window: a ratio of sums (what the arm
         yields in the long run, its rare slow steps included: a drafter catching up over a
         new turn's prompt), each step's seconds capped at ``SLOW_CAP`` x the window's median
-        (a step the host preempted for long is not the arm's price)."""
+        (a step the host preempted for long is not the arm's price; plain decoding's at
+        ``PLAIN_CAP`` x)."""
         return self._computed()[1]
 
     def best(self) -> float:
@@ -146,7 +152,8 @@ class _Bucket:
     arm_lost: dict[Strategy, float] = field(init=False)  # the same per arm, credit capped
 
     def __post_init__(self) -> None:
-        self.rewards = {a: _Window(self.window) for a in self.arms}
+        self.rewards = {a: _Window(self.window, PLAIN_CAP if a == PLAIN else SLOW_CAP)
+                        for a in self.arms}
         self.tried_at = {a: -1 for a in self.arms}
         self.arm_lost = {a: 0.0 for a in self.arms}
 
