@@ -25,6 +25,7 @@ def first_needed(req: Request) -> int:
     return max(req.params.prompt_logprobs_start, 1) - 1
 
 
+@torch.inference_mode()  # as the forward ran: the own kernels serve only without autograd
 def score_prompts(model: LlamaModel, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
     """Sets ``prompt_logprobs`` of every request in a prefill that asked for them; siblings
     (which share their leader's prefill) get their leader's. ``hidden`` [F, Q, H]: row f
