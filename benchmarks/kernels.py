@@ -31,12 +31,15 @@ from benchmarks.common.prompts import chat_prompts
 from benchmarks.common.results import grouped_bars, ints, pyplot, report, save, tool
 
 OFF = ("all", "layer", "matvec", "norm", "attention")  # "x": everything but x
+INVARIANT = "invariant"  # every row through the own kernels (``kernels.batch_invariant``)
 LABELS = {"all": "every own kernel", "layer": "the own kernels op by op, no whole-layer kernel",
           **{c: f"torch's {c} instead" for c in OFF[2:]},
           "avx2": "the own product's AVX2 path (rows <= 8)",
-          "widened": "the own attention with keys widened to fp32, decode rows only (op by op)"}
+          "widened": "the own attention with keys widened to fp32, decode rows only (op by op)",
+          "invariant": "batch invariant: the own kernels take every row (--batch-invariant)"}
 SHORT = {"all": "all own kernels", "layer": "own kernels op by op",
-         "avx2": "own product, AVX2 path", "widened": "own attention, keys widened, SDPA prefills"}
+         "avx2": "own product, AVX2 path", "widened": "own attention, keys widened, SDPA prefills",
+         "invariant": "batch invariant"}
 ONLY_AVX512_BF16 = ("avx2", "widened")  # configurations that differ from "all" only there
 
 
@@ -46,6 +49,7 @@ def switch(model: Any, kernels: Any, off: str) -> None:
         ATTENTION_QUERIES,
         MATVEC_ROWS_NATIVE_BF16,
         attention_widened,
+        batch_invariant,
         matvec_avx2,
     )
     from tlt_serve.models.llama import set_cpu_kernels
@@ -57,7 +61,9 @@ def switch(model: Any, kernels: Any, off: str) -> None:
     elif off == "widened":  # prefills back to SDPA
         kernels = replace(kernels, attention=attention_widened(),
                           attention_queries=ATTENTION_QUERIES, layer=None)
-    keep = ("all", *ONLY_AVX512_BF16)
+    elif off == INVARIANT:
+        kernels = batch_invariant(kernels)
+    keep = ("all", INVARIANT, *ONLY_AVX512_BF16)
     set_cpu_kernels(model, kernels if off in keep else replace(kernels, **{off: None}))
 
 
@@ -69,7 +75,8 @@ def ab(a: argparse.Namespace) -> Path:
     whole-layer kernel (which needs all three, so switching any of them off also runs the
     layers op by op); on CPUs with AVX512-BF16 also ``avx2``: the own product on its AVX2
     path with the row limit it had there, and ``widened``: the own attention scoring with
-    keys widened to fp32, for decode rows only (prefills to SDPA). ``--configs`` picks some
+    keys widened to fp32, for decode rows only (prefills to SDPA); and ``invariant``: every
+    row of every step through the own kernels (``--batch-invariant``). ``--configs`` picks some
     (``all`` always runs: the reference). Greedy, ``--new-tokens`` per sequence, EOS
     ignored, fresh prompts every round, configurations interleaved, median tokens/s per
     batch size; every configuration's tokens are compared with ``all``'s (bf16 rounding
@@ -130,7 +137,7 @@ def _engine(
     model, kernels = llm.engine.model, llm.engine.model.kernels  # the full set
     if kernels is None:
         raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
-    configs = (*OFF, *ONLY_AVX512_BF16) if own_avx512_bf16() else OFF
+    configs = (*OFF, INVARIANT, *ONLY_AVX512_BF16) if own_avx512_bf16() else (*OFF, INVARIANT)
     if a.configs:
         unknown = set(a.configs) - set(configs)
         if unknown:
@@ -220,7 +227,8 @@ def _ab_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--configs", type=lambda s: s.split(","), default=None,
-                   help="comma-separated configurations (all, layer, matvec, norm, attention; "
+                   help="comma-separated configurations (all, layer, matvec, norm, attention, "
+                        "invariant; "
                         "avx2, widened with AVX512-BF16); default every one")
 
 

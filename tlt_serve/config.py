@@ -37,12 +37,19 @@ class ModelConfig:
     # On a GPU, the attention of those steps: torch's (sdpa) or the own Triton kernel
     # (kernels/decode_attention.py; not yet timed on a GPU)
     attention_backend: str = "sdpa"
+    # On a CPU in bf16: every product and attention through the own kernels, whatever the
+    # rows of a step, so a token's logits depend on the tokens before it only (not on the
+    # batch, prefill or decode, speculation, the prefix cache, scoring)
+    batch_invariant: bool = False
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
         if not is_device(self.device):
             raise ConfigError(f"device: {self.device!r} is not cpu, cuda or cuda:N")
+        if self.batch_invariant and (self.device != "cpu" or self.dtype != "bfloat16"):
+            raise ConfigError("batch_invariant: the own CPU kernels' mode: needs device cpu "
+                              f"and dtype bfloat16, got {self.device} and {self.dtype}")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -237,6 +244,8 @@ class EngineConfig:
             raise ConfigError(
                 f"tensor_parallel_size: {self.tensor_parallel_size} is not supported; every "
                 "backend serves a model on one device (run a fleet of replicas: tlt-serve fleet)")
+        if self.backend == "vllm" and self.model.batch_invariant:
+            raise ConfigError("batch_invariant: the native engine's mode (backend native)")
         if self.backend == "vllm":
             # What vLLM's engine cannot do, refused rather than ignored.
             if self.spec.tree_topk > 1:

@@ -58,6 +58,11 @@ def parse(argv: list[str]) -> ServerConfig:
                        default=ModelConfig.attention_backend,
                        help="on a GPU, the attention of the native engine's compiled CUDA-graph "
                        "steps: torch's (sdpa) or the own Triton kernel, split over the keys")
+    serve.add_argument("--batch-invariant", action="store_true",
+                       help="CPU, bf16: every product and attention through the own kernels "
+                       "whatever a step's rows, so a sequence's logprobs do not depend on its "
+                       "batch, on speculation or the prefix cache, and scoring it returns "
+                       "the logprobs it was generated with (prefills slower)")
     serve.add_argument("--api-key", default=os.environ.get("TLT_SERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $TLT_SERVE_API_KEY, "
                        "which keeps the key out of the process list)")
@@ -160,7 +165,8 @@ def parse(argv: list[str]) -> ServerConfig:
             model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                               device=args.device or ModelConfig.device,
                               enforce_eager=args.enforce_eager, compile=not args.no_compile,
-                              attention_backend=args.attention_backend),
+                              attention_backend=args.attention_backend,
+                              batch_invariant=args.batch_invariant),
             cache=CacheConfig(max_num_seqs=args.max_num_seqs,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               prefix_cache=not args.no_prefix_cache),

@@ -53,7 +53,8 @@ class Engine:
         self.model_path: Path = resolve_model_path(mc.model)
         self.tokenizer = load_tokenizer(self.model_path)
         t0 = time.perf_counter()
-        self.model = build_model(self.model_path, DTYPES[mc.dtype], mc.max_model_len, mc.device)
+        self.model = build_model(self.model_path, DTYPES[mc.dtype], mc.max_model_len, mc.device,
+                                 batch_invariant=mc.batch_invariant)
         log.info("loaded %s (%s) in %.1fs", self.model_path, mc.dtype, time.perf_counter() - t0)
         self.kv = KVCache(
             self.model.cfg, config.cache.max_num_seqs, mc.max_model_len, DTYPES[mc.dtype], mc.device

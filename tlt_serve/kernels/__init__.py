@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,7 @@ MATVEC_ROWS_AVX512_BF16 = 32
 ATTENTION_QUERIES = 16
 ATTENTION_QUERIES_AVX512_BF16 = 4096
 DOT_HEAD_DIMS = (64, 128, 256)  # head sizes whose scores take the dot products (others: 16)
+EVERY_ROW = 1 << 30  # a limit of rows or queries no step reaches (batch-invariant kernels)
 SOURCES = ("bf16_gemv.cpp", "decoder_layer.cpp", "bf16_kernels.h")
 BUILD_WAIT_S = 600.0  # longest wait on another process's build of the same kernels
 
@@ -147,6 +148,15 @@ def cpu_kernels() -> CpuKernels | None:
         attention_queries=queries, layer=module.decoder_layer_bf16,
         scores=module.log_softmax_rank,
     )
+
+
+def batch_invariant(kernels: CpuKernels) -> CpuKernels:
+    """``kernels`` taking every row of every step (products, the whole layer, the attention
+    of any head size and prompt length): each computes a token the same way whatever else its
+    step holds (a row's sums run in one order, its attention over exactly its keys), so a
+    token's logits depend on the tokens before it only. Prompt logprobs by torch's
+    log-softmax, as the sampler computes generated tokens' (bit for bit the same)."""
+    return replace(kernels, matvec_rows=EVERY_ROW, attention_queries=EVERY_ROW, scores=None)
 
 
 def matvec_avx2() -> MatVec | None:

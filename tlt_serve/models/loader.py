@@ -15,10 +15,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tlt_serve.kernels import CpuKernels, native_bf16_gemm
+from tlt_serve.config import ConfigError
+from tlt_serve.kernels import CpuKernels, batch_invariant, build_error, native_bf16_gemm
 from tlt_serve.kernels import cpu_kernels as own_kernels
 from tlt_serve.models.arch import ArchConfig
-from tlt_serve.models.llama import LlamaModel, refresh_fp32_copies, set_cpu_kernels
+from tlt_serve.models.llama import Attention, LlamaModel, refresh_fp32_copies, set_cpu_kernels
 from tlt_serve.models.rope import cos_sin_table
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -180,13 +181,15 @@ def build_model(
     max_positions: int,
     device: str = "cpu",
     cpu_kernels: bool = True,
+    batch_invariant: bool = False,
 ) -> LlamaModel:
     """Instantiate the model of an HF directory and load all of its weights.
 
     bf16 on CPU: products of up to ``CpuKernels.matvec_rows`` rows, the RMSNorms and the
     attention use the own AVX2 kernels when ``cpu_kernels`` and they build; larger products
     run in fp32 where the CPU lacks bf16 GEMM (see ``Linear``). fp32 on CPU: only scoring's
-    kernel (``CpuKernels.scores``)."""
+    kernel (``CpuKernels.scores``). ``batch_invariant`` (bf16 on CPU): the own kernels take
+    every row (``kernels.batch_invariant``), or the model is refused naming why."""
     cfg = ArchConfig.from_dir(path)
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions)
@@ -198,11 +201,26 @@ def build_model(
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, iter_safetensors(path), require_all=True)
     cpu_bf16 = dtype == torch.bfloat16 and device.startswith("cpu")
-    model.set_fp32_batch_matmul(cpu_bf16 and not native_bf16_gemm())
-    if cpu_kernels and device.startswith("cpu"):
+    model.set_fp32_batch_matmul(cpu_bf16 and not native_bf16_gemm() and not batch_invariant)
+    if batch_invariant:
+        set_cpu_kernels(model, _invariant_kernels(cpu_bf16 and cpu_kernels))
+        if unfit := [m for m in model.modules() if isinstance(m, Attention) and m.kernel is None]:
+            cfg = unfit[0].cfg
+            raise ConfigError(f"batch_invariant: the own attention does not take this model's "
+                              f"heads (head_dim {cfg.head_dim}, {cfg.num_heads} query heads "
+                              f"over {cfg.num_kv_heads} KV heads)")
+    elif cpu_kernels and device.startswith("cpu"):
         own = own_kernels()
         if own is not None and not cpu_bf16:  # fp32: only scoring's kernel applies
             own = CpuKernels(matvec=None, norm=None, attention=None, scores=own.scores)
         set_cpu_kernels(model, own)
     return model.eval().requires_grad_(False)
+
+
+def _invariant_kernels(available: bool) -> CpuKernels:
+    own = own_kernels() if available else None
+    if own is None or own.matvec is None or own.norm is None or own.attention is None:
+        why = build_error() or "they need bf16 on a CPU with AVX2 or AVX512"
+        raise ConfigError(f"batch_invariant: the own CPU kernels are not available ({why})")
+    return batch_invariant(own)
 
