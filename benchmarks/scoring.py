@@ -8,13 +8,19 @@ servers side by side, all through ``/v1/completions`` (so vLLM's own server is a
 
 Every sequence is its own request, all sent at once. The prefix cache is off everywhere (a
 repeat would otherwise find the sequence cached; scoring never reads a cached position).
-Configurations (``--configs``): ``native``, ``vllm`` (``--backend vllm``) and ``vllm-cpu``
-(vLLM's own server, ``--vllm-python`` its interpreter). Modes alternate within each server
+Configurations (``--configs``): ``native``, ``native-invariant`` (``--batch-invariant``),
+``vllm`` (``--backend vllm``) and ``vllm-cpu`` (vLLM's own server, ``--vllm-python`` its
+interpreter). Modes alternate within each server
 over ``--repeats``; figures are medians. The floor of what scoring adds: the head's
 multiply-adds on every position over a prefill's (printed from the model's shape).
 
     python -m benchmarks.scoring run
     python -m benchmarks.scoring run --configs native,vllm-cpu --sequences 64 --tokens 512
+
+``consistency``: the logprobs sequences were generated with against those of scoring them
+afterwards, in-process on the native engine, with and without ``--batch-invariant``.
+
+    python -m benchmarks.scoring consistency
 """
 
 from __future__ import annotations
@@ -32,11 +38,12 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from benchmarks.common.prompts import ALL, tokenizer
-from benchmarks.common.results import grouped_bars, names, pyplot, report, save, tool
+from benchmarks.common.prompts import ALL, chat_prompts, tokenizer
+from benchmarks.common.results import grouped_bars, ints, names, pyplot, report, save, tool
 from benchmarks.common.servers import VLLM_SERVED_NAME, running_server, running_vllm
 
 CONFIGS = {"native": ["--no-prefix-cache"],
+           "native-invariant": ["--no-prefix-cache", "--batch-invariant"],
            "vllm": ["--backend", "vllm", "--no-prefix-cache"]}
 MODES = ("plain", "score")
 
@@ -173,8 +180,81 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    help="the interpreter of an environment with vLLM (configuration vllm-cpu)")
 
 
+# ---- consistency ---------------------------------------------------------------------------
+
+MODELS = {"default": False, "batch-invariant": True}  # label → ModelConfig.batch_invariant
+
+
+def consistency(a: argparse.Namespace) -> Path:
+    """Sequences sampled at T = 1 (a seed each) with their tokens' logprobs, then sent back
+    as prompts to be scored (``prompt_logprobs``): per engine and batch size, how far the
+    scored logprobs are from the generated ones (mean, largest, the share bit for bit
+    equal). One in-process engine per mode, prefix cache off."""
+    import torch
+
+    from tlt_serve import LLM, SamplingParams
+    from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
+
+    torch.set_num_threads(a.threads)
+    rows: list[dict[str, Any]] = []
+    bar = tqdm(total=len(MODELS) * len(a.batches), desc="consistency")
+    for label, invariant in MODELS.items():
+        llm = LLM(config=EngineConfig(
+            model=ModelConfig(model=a.model, dtype="bfloat16", max_model_len=1024,
+                              batch_invariant=invariant),
+            cache=CacheConfig(max_num_seqs=max(a.batches), prefix_cache=False)))
+        prompts = chat_prompts(llm.tokenizer, 1, max(a.batches))
+        for bs in a.batches:
+            params = [SamplingParams(max_new_tokens=a.new_tokens, temperature=1.0, seed=i,
+                                     ignore_eos=True, logprobs=True) for i in range(bs)]
+            gen = llm.generate(prompts[:bs], params)
+            seqs = [p + r.samples[0].token_ids for p, r in zip(prompts, gen, strict=False)]
+            scored = llm.generate(seqs, [SamplingParams(max_new_tokens=0, prompt_logprobs=0,
+                                                        prompt_logprobs_start=len(p))
+                                         for p in prompts[:bs]])
+            diffs = [abs(x - y) for s, g in zip(scored, gen, strict=True)
+                     for x, y in zip(s.samples[0].prompt_logprobs.logprobs,  # type: ignore[union-attr]
+                                     g.samples[0].logprobs, strict=True)]
+            rows.append({"engine": label, "batch": bs, "tokens": len(diffs),
+                         "mean_abs_diff": statistics.mean(diffs), "max_abs_diff": max(diffs),
+                         "equal_share": sum(d == 0 for d in diffs) / len(diffs)})
+            r = rows[-1]
+            print(f"{label:16s} batch {bs:3d}: {r['tokens']} tokens, mean |diff| "
+                  f"{r['mean_abs_diff']:.5f}, largest {r['max_abs_diff']:.4f}, "
+                  f"bit for bit {r['equal_share']:.3f}")
+            bar.update()
+        del llm
+    bar.close()
+    return report(a, {"rows": rows}, plot_consistency)
+
+
+def plot_consistency(result: dict[str, Any], png: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = result["rows"]
+    groups = [f"batch {b}" for b in dict.fromkeys(r["batch"] for r in rows)]
+    series = {f"{e}, {k}": {f"batch {r['batch']}": r[key] for r in rows if r["engine"] == e}
+              for e in MODELS for k, key in (("mean", "mean_abs_diff"),
+                                             ("largest", "max_abs_diff"))}
+    grouped_bars(ax, groups, series)
+    ax.set_ylabel("|scored - generated logprob| (nats)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"logprobs scored vs generated, bf16\n{result['machine']} "
+                 f"({result['date']}, {result['commit']})", fontsize=8)
+    save(fig, png)
+
+
+def _consistency_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batches", type=ints, default=[1, 16])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+
+
 def main(argv: Sequence[str] | None = None) -> Any:
-    return tool(__doc__, "scoring", {"run": (_arguments, run)}, argv)
+    return tool(__doc__, "scoring", {"run": (_arguments, run),
+                                     "consistency": (_consistency_arguments, consistency)}, argv)
 
 
 if __name__ == "__main__":
