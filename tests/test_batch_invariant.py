@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.harness import PROMPTS, own_kernels
 from tlt_serve import LLM, SamplingParams
@@ -22,11 +23,13 @@ from tlt_serve.config import (
     SpecConfig,
 )
 from tlt_serve.flags import parse as parse_serve_flags
-from tlt_serve.kernels import EVERY_ROW
+from tlt_serve.kernels import EVERY_ROW, own_avx512_bf16
 
 
 def invariant_llm(path: Path, spec: SpecConfig | None = None, prefix_cache: bool = False) -> LLM:
     own_kernels()  # a skip without them (a failure where they are required)
+    if not own_avx512_bf16():  # refused there: test_refused_without_avx512_bf16
+        pytest.skip("no AVX512-BF16: the own product is not row-invariant, the mode is refused")
     return LLM(config=EngineConfig(
         model=ModelConfig(model=str(path), dtype="bfloat16", max_model_len=512,
                           batch_invariant=True),
@@ -115,6 +118,16 @@ def test_refused_where_it_cannot_hold(model_kw, backend: str) -> None:
     config = EngineConfig(model=ModelConfig(batch_invariant=True, **model_kw), backend=backend)
     with pytest.raises(ConfigError, match="^batch_invariant:"):
         config.validate()
+
+
+def test_refused_without_avx512_bf16(tiny_model_dir: Path, monkeypatch) -> None:
+    """The AVX2 product sums 1, 2-4 and 5-8 rows in different orders: no invariance there."""
+    from tlt_serve.models import loader
+
+    own_kernels()
+    monkeypatch.setattr(loader, "own_avx512_bf16", lambda: False)
+    with pytest.raises(ConfigError, match="^batch_invariant: needs a CPU with AVX512-BF16"):
+        loader.build_model(tiny_model_dir, torch.bfloat16, 64, batch_invariant=True)
 
 
 def test_the_flag(capsys) -> None:
