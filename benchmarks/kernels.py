@@ -43,8 +43,20 @@ SHORT = {"all": "all own kernels", "layer": "own kernels op by op",
 ONLY_AVX512_BF16 = ("avx2", "widened")  # configurations that differ from "all" only there
 
 
+def row_limit(config: str) -> int | None:
+    """N of a configuration ``rowsN``: the own product (and the whole-layer kernel) up to N
+    rows, torch's above."""
+    return int(config[4:]) if config.startswith("rows") and config[4:].isdigit() else None
+
+
+def label(config: str) -> str:
+    n = row_limit(config)
+    return LABELS[config] if n is None else f"the own product and layer kernel up to {n} rows"
+
+
 def switch(model: Any, kernels: Any, off: str) -> None:
-    """Own kernels everywhere except ``off`` ("all": none off; "avx2": the AVX2 product)."""
+    """Own kernels everywhere except ``off`` ("all": none off; "avx2": the AVX2 product;
+    "rowsN": all, the own product's row limit N)."""
     from tlt_serve.kernels import (
         ATTENTION_QUERIES,
         MATVEC_ROWS_NATIVE_BF16,
@@ -63,8 +75,10 @@ def switch(model: Any, kernels: Any, off: str) -> None:
                           attention_queries=ATTENTION_QUERIES, layer=None)
     elif off == INVARIANT:
         kernels = batch_invariant(kernels)
-    keep = ("all", INVARIANT, *ONLY_AVX512_BF16)
-    set_cpu_kernels(model, kernels if off in keep else replace(kernels, **{off: None}))
+    elif (limit := row_limit(off)) is not None:
+        kernels = replace(kernels, matvec_rows=limit)
+    keep = off in ("all", INVARIANT, *ONLY_AVX512_BF16) or row_limit(off) is not None
+    set_cpu_kernels(model, kernels if keep else replace(kernels, **{off: None}))
 
 
 def ab(a: argparse.Namespace) -> Path:
@@ -116,7 +130,7 @@ def ab(a: argparse.Namespace) -> Path:
     for c in configs:
         print(c.ljust(10), "  ".join(f"bs{b} {v['tokens_per_s']:6.1f} tok/s (x{v['vs_all']:.2f})"
                                      for b, v in results[c].items()))
-    return report(a, {"configs": {c: LABELS[c] for c in configs}, "results": results},
+    return report(a, {"configs": {c: label(c) for c in configs}, "results": results},
                   plot_ab)
 
 
@@ -139,7 +153,7 @@ def _engine(
         raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
     configs = (*OFF, INVARIANT, *ONLY_AVX512_BF16) if own_avx512_bf16() else (*OFF, INVARIANT)
     if a.configs:
-        unknown = set(a.configs) - set(configs)
+        unknown = {c for c in a.configs if c not in configs and row_limit(c) is None}
         if unknown:
             raise SystemExit(f"--configs: {sorted(unknown)} not among {list(configs)} here")
         configs = ("all", *(c for c in a.configs if c != "all"))
@@ -188,7 +202,7 @@ def prefill(a: argparse.Namespace) -> Path:
                                  "time_vs_all": round(med / base, 3)}
         print(c.ljust(10), "  ".join(f"{s} {v['seconds']:.2f} s (x{v['time_vs_all']:.2f} all's)"
                                      for s, v in results[c].items()))
-    return report(a, {"configs": {c: LABELS[c] for c in configs}, "results": results},
+    return report(a, {"configs": {c: label(c) for c in configs}, "results": results},
                   plot_prefill)
 
 
@@ -228,7 +242,7 @@ def _ab_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--configs", type=lambda s: s.split(","), default=None,
                    help="comma-separated configurations (all, layer, matvec, norm, attention, "
-                        "invariant; "
+                        "invariant, rowsN: the own product's row limit N; "
                         "avx2, widened with AVX512-BF16); default every one")
 
 
