@@ -65,10 +65,16 @@ TokenScores = Callable[[torch.Tensor, torch.Tensor],
 # With AVX512-BF16 the own product of bf16 rows (dot-product instructions) beats torch's up to
 # ~24-32 rows (``benchmarks.kernels rows`` on a Zen 4 EPYC, 2 threads: 8 rows 11-12 vs 16-20
 # ms, 16 rows 19-20 vs 22-26, 32 rows 33-35 vs 31-39); in one engine, plain decoding at batch
-# 24 / 32 ran +12% / +8% faster with a limit of 32 than of 16.
+# 24 / 32 ran +12% / +8% faster with a limit of 32 than of 16. Up to the limit a step also runs
+# the whole-layer kernel instead of ~35 ops a layer around torch's products: on a Zen 5 EPYC
+# (2 threads) plain decoding at 48 / 64 sequences ran +20% / +18% faster with a limit of 64
+# than of 32, at 96 +4%, and a limit of 128 lost at 128 sequences (``benchmarks.kernels ab
+# --configs rows32,rows128``). Where the CPU has AMX tiles torch's product runs on them and the
+# own one does not: there the limit stays the Zen 4's.
 MATVEC_ROWS = 128
 MATVEC_ROWS_NATIVE_BF16 = 8
-MATVEC_ROWS_AVX512_BF16 = 32
+MATVEC_ROWS_AVX512_BF16 = 64
+MATVEC_ROWS_AMX = 32
 # Most query tokens per row the own attention takes; longer rows (prefill) go to torch's SDPA,
 # which tiles them. The own attention computes each (query, KV head) alone over exactly the
 # keys it sees, its rows' keys and values staying in cache for the next query. With the
@@ -140,7 +146,8 @@ def cpu_kernels() -> CpuKernels | None:
         return None
     queries = ATTENTION_QUERIES
     if own_avx512_bf16():
-        rows, queries = MATVEC_ROWS_AVX512_BF16, ATTENTION_QUERIES_AVX512_BF16
+        rows = MATVEC_ROWS_AMX if amx_tiles() else MATVEC_ROWS_AVX512_BF16
+        queries = ATTENTION_QUERIES_AVX512_BF16
     else:
         rows = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS
     return CpuKernels(
@@ -193,6 +200,12 @@ def own_avx512_bf16() -> bool:
     AVX512-BF16 dot products here."""
     module = _module()
     return module is not None and bool(module.avx512_bf16())
+
+
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (torch's bf16 products run on them)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def native_bf16_gemm() -> bool:
