@@ -109,13 +109,17 @@ def test_a_cached_prefix_keeps_the_bits(tiny_model_dir: Path, llm: LLM) -> None:
     assert outputs(again) == outputs(llm.generate([p + [5, 6] for p in ids], PARAMS[1]))
 
 
-@pytest.mark.parametrize(("model_kw", "backend"), [
-    ({"dtype": "float32"}, "native"),
-    ({"device": "cuda"}, "native"),
-    ({}, "vllm"),
+@pytest.mark.parametrize(("model_kw", "backend", "spec"), [
+    ({"dtype": "float32"}, "native", SpecConfig()),
+    ({"device": "cuda"}, "native", SpecConfig()),
+    ({}, "vllm", SpecConfig()),
+    ({}, "native", SpecConfig(method="suffix", tree_topk=2, num_draft_tokens=8,
+                              verify_budget=63)),
+    ({}, "native", SpecConfig(method="auto", suffix_trees=((8, 2, 64),))),
 ])
-def test_refused_where_it_cannot_hold(model_kw, backend: str) -> None:
-    config = EngineConfig(model=ModelConfig(batch_invariant=True, **model_kw), backend=backend)
+def test_refused_where_it_cannot_hold(model_kw, backend: str, spec: SpecConfig) -> None:
+    config = EngineConfig(model=ModelConfig(batch_invariant=True, **model_kw), backend=backend,
+                          spec=spec)
     with pytest.raises(ConfigError, match="^batch_invariant:"):
         config.validate()
 
