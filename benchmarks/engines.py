@@ -32,8 +32,9 @@ figure is the median over ``--rounds``, its ratio to the first configuration's b
 Fresh servers run one after another, minutes apart, and the host drifts by 10-20% over
 minutes: ``--together`` (native configurations only; vLLM's idle engine busy-polls) keeps
 every server up and runs each shape on each configuration back to back, so a ratio compares
-runs seconds apart. Each server's prefix cache is flushed before each shape, and its weights
-restored after the epochs.
+runs seconds apart. Each server's prefix cache is flushed before each shape, each round sends
+prompts of its own (a server drafts from what it served), and the epochs (one round only)
+restore the weights after them.
 
     python -m benchmarks.engines run --drafter D
     python -m benchmarks.engines run --configs native,vllm,vllm-eager --shapes batch --rounds 3
@@ -118,22 +119,26 @@ def batch(ep: Endpoint, a: argparse.Namespace, config: str, b: int,
     return {f"batch {b}": rollout(ep, reqs, f"{config} batch {b}")}
 
 
-def longtail(ep: Endpoint, a: argparse.Namespace, config: str) -> dict[str, Any]:
+def longtail(ep: Endpoint, a: argparse.Namespace, config: str, first: int = 1000
+             ) -> dict[str, Any]:
     rng = random.Random(a.seed)
     mu = math.log(a.tail_mean) - 0.9**2 / 2
     reqs: Requests = [
         (ids, {"max_new_tokens": int(min(max(rng.lognormvariate(mu, 0.9), 8), a.tail_max)),
                "temperature": 0.0, "ignore_eos": True})
-        for ids in chat_prompts(tokenizer(a.model), 1000, a.tail_prompts)
+        for ids in chat_prompts(tokenizer(a.model), first, a.tail_prompts)
         for _ in range(a.tail_n)]
     return {"longtail": rollout(ep, reqs, f"{config} long tail")}
 
 
-def prefix_shapes(ep: Endpoint, a: argparse.Namespace, shapes: list[str]) -> dict[str, Any]:
-    """slime and agentic, as ``benchmarks.prefix`` sends them."""
+def prefix_shapes(ep: Endpoint, a: argparse.Namespace, shapes: list[str],
+                  round_: int = 0) -> dict[str, Any]:
+    """slime and agentic, as ``benchmarks.prefix`` sends them (round ``round_``'s prompts and
+    questions)."""
     tok = tokenizer(a.model)
     system = prefix.system_prompt(tok, PREFIX_SHAPES.system_tokens)
-    prompts = chat_prompts(tok, 0, PREFIX_SHAPES.prompts)
+    prompts = chat_prompts(tok, round_ * PREFIX_SHAPES.prompts, PREFIX_SHAPES.prompts)
+    questions = round_ * PREFIX_SHAPES.conversations * PREFIX_SHAPES.turns
 
     async def both() -> dict[str, Any]:
         out = {}
@@ -141,7 +146,8 @@ def prefix_shapes(ep: Endpoint, a: argparse.Namespace, shapes: list[str]) -> dic
             if "slime" in shapes:
                 out["slime"] = await prefix.slime(http, ep.model, PREFIX_SHAPES, prompts)
             if "agentic" in shapes:
-                out["agentic"] = await prefix.agentic(http, ep.model, PREFIX_SHAPES, system)
+                out["agentic"] = await prefix.agentic(http, ep.model, PREFIX_SHAPES, system,
+                                                      questions)
         return out
 
     return {s: {"seconds": f["seconds"], "tokens": f["completion_tokens"],
@@ -181,21 +187,24 @@ def epochs(ep: Endpoint | None, a: argparse.Namespace, config: str,
 Measure = Callable[[Endpoint, str], dict[str, Any]]
 
 
-def measures(a: argparse.Namespace, restore: bool = False) -> list[Measure]:
-    """The shapes ``a`` asks for, in order, each batch size its own; the epochs last (they
-    change the weights; with ``restore`` they put the model's own back)."""
+def measures(a: argparse.Namespace, restore: bool = False, round_: int = 0) -> list[Measure]:
+    """The shapes ``a`` asks for, in order, each batch size its own, on round ``round_``'s
+    prompts (a server that stays up drafts from its history: a round must not find its
+    prompts' answers there); the epochs last (they change the weights; with ``restore`` they
+    put the model's own back)."""
     out: list[Measure] = []
     if "batch" in a.shapes:
         def of_size(b: int, first: int) -> Measure:
             return lambda ep, c: batch(ep, a, c, b, first)
 
-        firsts = [sum(a.batches[:i]) for i in range(len(a.batches))]
+        base = round_ * sum(a.batches)
+        firsts = [base + sum(a.batches[:i]) for i in range(len(a.batches))]
         out += [of_size(b, f) for b, f in zip(a.batches, firsts, strict=True)]
     if "longtail" in a.shapes:
-        out.append(lambda ep, c: longtail(ep, a, c))
+        out.append(lambda ep, c: longtail(ep, a, c, 1000 + round_ * a.tail_prompts))
     kinds = [s for s in ("slime", "agentic") if s in a.shapes]
     if kinds:
-        out.append(lambda ep, c: prefix_shapes(ep, a, kinds))
+        out.append(lambda ep, c: prefix_shapes(ep, a, kinds, round_))
     if "epochs" in a.shapes:
         out.append(lambda ep, c: epochs(ep, a, c, restore))
     return out
@@ -218,15 +227,15 @@ def one_server(a: argparse.Namespace, config: str) -> dict[str, dict[str, Any]]:
 def together(a: argparse.Namespace) -> dict[str, list[dict[str, dict[str, Any]]]]:
     """Every configuration's server up for the whole run; each round runs each shape on
     every configuration back to back, in an order rotated per shape and round, each
-    server's prefix cache flushed first: {configuration: [round: {row name: figures}]}."""
+    server's prefix cache flushed first, each round on prompts of its own (the epochs, in a
+    single round only, excepted): {configuration: [round: {row name: figures}]}."""
     runs: dict[str, list[dict[str, dict[str, Any]]]] = {c: [] for c in a.configs}
-    shapes = measures(a, restore=True)
     with ExitStack() as stack:
         eps = {c: stack.enter_context(server(a, c)) for c in a.configs}
-        bar = tqdm(total=a.rounds * len(shapes) * len(a.configs), desc="shapes")
+        bar = tqdm(total=a.rounds * len(measures(a)) * len(a.configs), desc="shapes")
         for r in range(a.rounds):
             rnd: dict[str, dict[str, dict[str, Any]]] = {c: {} for c in a.configs}
-            for i, measure in enumerate(shapes):
+            for i, measure in enumerate(measures(a, restore=True, round_=r)):
                 turn = (r + i) % len(a.configs)
                 for config in a.configs[turn:] + a.configs[:turn]:
                     httpx.post(f"{eps[config].url}/flush_cache", timeout=60).raise_for_status()
@@ -247,6 +256,9 @@ def check(a: argparse.Namespace) -> None:
         raise SystemExit(f"--shapes: unknown {bad} (from {', '.join(SHAPES)})")
     if "native-auto-drafter" in a.configs and not a.drafter:
         raise SystemExit("--configs native-auto-drafter: needs --drafter (tlt-train warmup)")
+    if a.together and a.rounds > 1 and "epochs" in a.shapes:
+        raise SystemExit("--together: the epochs in one round only (their prompts come back, "
+                         "and a server that stays up would draft from the last round's)")
     if a.together and any(not c.startswith("native") for c in a.configs):
         raise SystemExit("--together: native configurations only (an idle vLLM engine "
                          "busy-polls and would slow the server measured beside it)")

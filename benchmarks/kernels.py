@@ -151,7 +151,9 @@ def _engine(
     model, kernels = llm.engine.model, llm.engine.model.kernels  # the full set
     if kernels is None:
         raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
-    configs = (*OFF, INVARIANT, *ONLY_AVX512_BF16) if own_avx512_bf16() else (*OFF, INVARIANT)
+    # the invariant configuration only where the mode holds (``--batch-invariant`` refuses
+    # other CPUs)
+    configs = (*OFF, INVARIANT, *ONLY_AVX512_BF16) if own_avx512_bf16() else OFF
     if a.configs:
         unknown = {c for c in a.configs if c not in configs and row_limit(c) is None}
         if unknown:

@@ -62,16 +62,18 @@ def system_prompt(tok: Any, tokens: int) -> str:
 
 
 async def agentic(http: httpx.AsyncClient, model: str, a: argparse.Namespace,
-                  system: str) -> dict[str, Any]:
+                  system: str, first: int = 0) -> dict[str, Any]:
     """``--conversations`` conversations of ``--turns`` turns, concurrent; each turn sends
-    the system prompt, every earlier turn and the new question."""
+    the system prompt, every earlier turn and the new question (the benchmark texts from
+    ``first`` on)."""
     cached = prompt = completion = 0
 
     async def conversation(c: int) -> None:
         nonlocal cached, prompt, completion
         messages = [{"role": "system", "content": system}]
         for t in range(a.turns):
-            messages.append({"role": "user", "content": ALL[(c * a.turns + t) % len(ALL)]})
+            messages.append({"role": "user",
+                             "content": ALL[(first + c * a.turns + t) % len(ALL)]})
             body = {"model": model, "messages": messages, "max_tokens": a.max_tokens,
                     "temperature": 0.7}
             resp = await http.post("/v1/chat/completions", json=body)
