@@ -127,7 +127,7 @@ def test_bf16_with_the_own_kernels_is_bitwise_plain_decoding(
     if kernels.matvec_rows < 5 * 5:
         pytest.skip("verify rows (5 requests x 5 tokens) exceed the own product's limit here")
     configs = spec_configs(drafters, max_batch=8)
-    # A tree of 4 nodes + root per request: 25 verify rows, within the product's 32.
+    # A tree of 4 nodes + root per request: 25 verify rows, within the product's limit.
     configs["tree"] = replace(configs["tree"], tree_topk=2, verify_budget=4)
     for params in (varied_params(), seeded_params()):  # seeded sampling too: drawn through
         plain = make_llm(tiny_model_dir, dtype="bfloat16").generate(PROMPTS, params)
