@@ -249,12 +249,12 @@ class EngineConfig:
                 "backend serves a model on one device (run a fleet of replicas: tlt-serve fleet)")
         if self.backend == "vllm" and self.model.batch_invariant:
             raise ConfigError("batch_invariant: the native engine's mode (backend native)")
-        trees = [b for _, _, b in (*self.spec.auto_trees, *self.spec.suffix_trees)]
-        if self.spec.tree_topk > 1:
-            trees.append(self.spec.budget)
-        if self.model.batch_invariant and max(trees, default=0) > INVARIANT_TREE_NODES:
-            raise ConfigError(f"batch_invariant: a draft tree of {max(trees)} nodes verifies "
-                              f"without the own kernels (at most {INVARIANT_TREE_NODES})")
+        if self.model.batch_invariant:
+            trees = [b for _, _, b in (*self.spec.auto_trees, *self.spec.suffix_trees)]
+            largest = max([*trees, self.spec.budget if self.spec.tree_topk > 1 else 0])
+            if largest > INVARIANT_TREE_NODES:
+                raise ConfigError(f"batch_invariant: a draft tree of {largest} nodes verifies "
+                                  f"without the own kernels (at most {INVARIANT_TREE_NODES})")
         if self.backend == "vllm":
             # What vLLM's engine cannot do, refused rather than ignored.
             if self.spec.tree_topk > 1:

@@ -67,10 +67,10 @@ TokenScores = Callable[[torch.Tensor, torch.Tensor],
 # ms, 16 rows 19-20 vs 22-26, 32 rows 33-35 vs 31-39); in one engine, plain decoding at batch
 # 24 / 32 ran +12% / +8% faster with a limit of 32 than of 16. Up to the limit a step also runs
 # the whole-layer kernel instead of ~35 ops a layer around torch's products: on a Zen 5 EPYC
-# (2 threads) plain decoding at 48 / 64 sequences ran +20% / +18% faster with a limit of 64
-# than of 32, at 96 +4%, and a limit of 128 lost at 128 sequences (``benchmarks.kernels ab
-# --configs rows32,rows128``). Where the CPU has AMX tiles torch's product runs on them and the
-# own one does not: there the limit stays the Zen 4's.
+# (2 threads) plain decoding at 48 / 64 sequences ran x1.18 / x1.10 as fast with a limit of 64
+# as of 32, and a limit of 128 stayed within the host's spread of 64 (x0.97-1.09) at 48-128
+# (``benchmarks.kernels ab --configs rows32,rows128``, 3 rounds). Where the CPU has AMX tiles
+# torch's product runs on them and the own one does not: there the limit stays the Zen 4's.
 MATVEC_ROWS = 128
 MATVEC_ROWS_NATIVE_BF16 = 8
 MATVEC_ROWS_AVX512_BF16 = 64
@@ -103,8 +103,9 @@ class CpuKernels:
     norm: NormKernel | None  # RMSNorm of bf16 rows, HF's rounding order
     attention: RowAttention | None  # query tokens over their rows' cached keys
     matvec_rows: int = MATVEC_ROWS  # products of more rows use torch's
-    # rows of more query tokens use torch's SDPA (heads of DOT_HEAD_DIMS; others: 16)
+    # rows of more query tokens use torch's SDPA: heads of DOT_HEAD_DIMS, and the others
     attention_queries: int = ATTENTION_QUERIES
+    other_head_queries: int = ATTENTION_QUERIES
     # A whole decoder layer in one call, built on this module's product, norm and attention:
     # a copy that replaces any of them (an A/B) must drop it too.
     layer: LayerKernel | None = None
@@ -163,7 +164,8 @@ def batch_invariant(kernels: CpuKernels) -> CpuKernels:
     step holds (a row's sums run in one order, its attention over exactly its keys), so a
     token's logits depend on the tokens before it only. Prompt logprobs by torch's
     log-softmax, as the sampler computes generated tokens' (bit for bit the same)."""
-    return replace(kernels, matvec_rows=EVERY_ROW, attention_queries=EVERY_ROW, scores=None)
+    return replace(kernels, matvec_rows=EVERY_ROW, attention_queries=EVERY_ROW,
+                   other_head_queries=EVERY_ROW, scores=None)
 
 
 def matvec_avx2() -> MatVec | None:

@@ -19,7 +19,6 @@ from torch import nn
 from tlt_serve.kernels import (
     ATTENTION_QUERIES,
     DOT_HEAD_DIMS,
-    EVERY_ROW,
     MATVEC_ROWS,
     CpuKernels,
     LayerKernel,
@@ -362,9 +361,9 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
         elif isinstance(m, Attention):
             m.kernel = None if kernels is None or not _attention_fits(m) else kernels.attention
             m.kernel_queries = ATTENTION_QUERIES
-            if kernels is not None and (m.cfg.head_dim in DOT_HEAD_DIMS
-                                        or kernels.attention_queries == EVERY_ROW):
-                m.kernel_queries = kernels.attention_queries
+            if kernels is not None:
+                dot = m.cfg.head_dim in DOT_HEAD_DIMS
+                m.kernel_queries = kernels.attention_queries if dot else kernels.other_head_queries
         elif isinstance(m, DecoderLayer):
             m.kernel = None if kernels is None or not _layer_fits(m, kernels) else kernels.layer
             m.kernel_rows = MATVEC_ROWS if kernels is None else kernels.matvec_rows

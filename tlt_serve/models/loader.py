@@ -232,4 +232,3 @@ def _invariant_kernels(available: bool) -> CpuKernels:
         raise ConfigError("batch_invariant: needs a CPU with AVX512-BF16 (without it the own "
                           "product sums a row in an order that depends on the rows beside it)")
     return batch_invariant(own)
-
