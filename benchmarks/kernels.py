@@ -66,6 +66,7 @@ def switch(model: Any, kernels: Any, off: str) -> None:
     )
     from tlt_serve.models.llama import set_cpu_kernels
 
+    limit = row_limit(off)
     # op by op: the whole-layer kernel multiplies and attends with its own paths
     if off == "avx2":
         kernels = replace(kernels, matvec=matvec_avx2(), matvec_rows=MATVEC_ROWS_NATIVE_BF16,
@@ -75,9 +76,9 @@ def switch(model: Any, kernels: Any, off: str) -> None:
                           attention_queries=ATTENTION_QUERIES, layer=None)
     elif off == INVARIANT:
         kernels = batch_invariant(kernels)
-    elif (limit := row_limit(off)) is not None:
+    elif limit is not None:
         kernels = replace(kernels, matvec_rows=limit)
-    keep = off in ("all", INVARIANT, *ONLY_AVX512_BF16) or row_limit(off) is not None
+    keep = off in ("all", INVARIANT, *ONLY_AVX512_BF16) or limit is not None
     set_cpu_kernels(model, kernels if keep else replace(kernels, **{off: None}))
 
 

@@ -156,15 +156,22 @@ def run(a: argparse.Namespace) -> Path:
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
+    series = {m: {r["config"]: r[m]["seconds"] for r in result["rows"]} for m in MODES}
+    _bars(result, png, [r["config"] for r in result["rows"]], series,
+          "seconds (lower is better)", f"scoring vs plain prefill: {result['shape']}")
+
+
+def _bars(result: dict[str, Any], png: Path, groups: list[str],
+          series: dict[str, dict[str, float]], ylabel: str, title: str) -> None:
+    """One grouped bar chart, the run's host, date and commit under its title."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    series = {m: {r["config"]: r[m]["seconds"] for r in result["rows"]} for m in MODES}
-    grouped_bars(ax, [r["config"] for r in result["rows"]], series)
-    ax.set_ylabel("seconds (lower is better)")
+    grouped_bars(ax, groups, series)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"scoring vs plain prefill: {result['shape']}\n{result['machine']} "
-                 f"({result['date']}, {result['commit']})", fontsize=8)
+    fig.suptitle(f"{title}\n{result['machine']} ({result['date']}, {result['commit']})",
+                 fontsize=8)
     save(fig, png)
 
 
@@ -229,20 +236,13 @@ def consistency(a: argparse.Namespace) -> Path:
 
 
 def plot_consistency(result: dict[str, Any], png: Path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
     rows = result["rows"]
     groups = [f"batch {b}" for b in dict.fromkeys(r["batch"] for r in rows)]
     series = {f"{e}, {k}": {f"batch {r['batch']}": r[key] for r in rows if r["engine"] == e}
               for e in MODELS for k, key in (("mean", "mean_abs_diff"),
                                              ("largest", "max_abs_diff"))}
-    grouped_bars(ax, groups, series)
-    ax.set_ylabel("|scored - generated logprob| (nats)")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"logprobs scored vs generated, bf16\n{result['machine']} "
-                 f"({result['date']}, {result['commit']})", fontsize=8)
-    save(fig, png)
+    _bars(result, png, groups, series, "|scored - generated logprob| (nats)",
+          "logprobs scored vs generated, bf16")
 
 
 def _consistency_arguments(p: argparse.ArgumentParser) -> None:
