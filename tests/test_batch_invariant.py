@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.harness import PROMPTS, own_kernels
 from tlt_serve import LLM, SamplingParams
@@ -122,6 +123,26 @@ def test_refused_where_it_cannot_hold(model_kw, backend: str, spec: SpecConfig) 
                           spec=spec)
     with pytest.raises(ConfigError, match="^batch_invariant:"):
         config.validate()
+
+
+def test_torchs_silu_is_row_invariant() -> None:
+    """The layer kernel's one torch op, the MLP's SiLU, splits a large step's activations
+    among threads: a row still gets the bits it gets alone, on 1-16 threads, for rows of a
+    whole number of vectors or not, read as the kernel reads them (the gate half of each
+    gate-up row: a strided view)."""
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    try:
+        for width in (1536, 1000, 8960):
+            for n in (1, 2, 3, 5, 8, 16):
+                torch.set_num_threads(n)
+                for rows in (7, 64, 129):
+                    gate_up = (torch.randn(rows, 2 * width, generator=g) * 3).bfloat16()
+                    x = gate_up.narrow(1, 0, width)  # [rows, width], rows 2 * width apart
+                    alone = torch.cat([F.silu(x[i : i + 1]) for i in range(rows)])
+                    assert torch.equal(F.silu(x), alone), (width, n, rows)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_refused_without_avx512_bf16(tiny_model_dir: Path, monkeypatch) -> None:
