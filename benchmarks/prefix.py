@@ -62,10 +62,11 @@ def system_prompt(tok: Any, tokens: int) -> str:
 
 
 async def agentic(http: httpx.AsyncClient, model: str, a: argparse.Namespace,
-                  system: str, first: int = 0) -> dict[str, Any]:
+                  system: str, first: int = 0, seed: int | None = None) -> dict[str, Any]:
     """``--conversations`` conversations of ``--turns`` turns, concurrent; each turn sends
     the system prompt, every earlier turn and the new question (the benchmark texts from
-    ``first`` on)."""
+    ``first`` on); with ``seed``, turn t of conversation c carries seed + c * turns + t, so
+    that servers compared sample the same answers (as far as their rounding agrees)."""
     cached = prompt = completion = 0
 
     async def conversation(c: int) -> None:
@@ -74,8 +75,10 @@ async def agentic(http: httpx.AsyncClient, model: str, a: argparse.Namespace,
         for t in range(a.turns):
             messages.append({"role": "user",
                              "content": ALL[(first + c * a.turns + t) % len(ALL)]})
-            body = {"model": model, "messages": messages, "max_tokens": a.max_tokens,
-                    "temperature": 0.7}
+            body: dict[str, Any] = {"model": model, "messages": messages,
+                                    "max_tokens": a.max_tokens, "temperature": 0.7}
+            if seed is not None:
+                body["seed"] = seed + c * a.turns + t
             resp = await http.post("/v1/chat/completions", json=body)
             resp.raise_for_status()
             out = resp.json()
@@ -93,13 +96,17 @@ async def agentic(http: httpx.AsyncClient, model: str, a: argparse.Namespace,
 
 
 async def slime(http: httpx.AsyncClient, model: str, a: argparse.Namespace,
-                prompts: list[list[int]]) -> dict[str, Any]:
-    """``--prompts`` prompts x ``--samples`` separate requests each, at T = 1, all at once."""
+                prompts: list[list[int]], seed: int | None = None) -> dict[str, Any]:
+    """``--prompts`` prompts x ``--samples`` separate requests each, at T = 1, all at once;
+    with ``seed``, request i carries seed + i."""
     cached = prompt = completion = 0
 
-    async def one(p: list[int]) -> None:
+    async def one(p: list[int], i: int) -> None:
         nonlocal cached, prompt, completion
-        body = {"model": model, "prompt": p, "max_tokens": a.max_tokens, "temperature": 1.0}
+        body: dict[str, Any] = {"model": model, "prompt": p, "max_tokens": a.max_tokens,
+                                "temperature": 1.0}
+        if seed is not None:
+            body["seed"] = seed + i
         resp = await http.post("/v1/completions", json=body)
         resp.raise_for_status()
         usage = resp.json()["usage"]
@@ -109,7 +116,8 @@ async def slime(http: httpx.AsyncClient, model: str, a: argparse.Namespace,
         completion += usage["completion_tokens"]
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in prompts for _ in range(a.samples)))
+    await asyncio.gather(*(one(p, i * a.samples + j) for i, p in enumerate(prompts)
+                           for j in range(a.samples)))
     return _figures(time.perf_counter() - t0, prompt, completion, cached)
 
 
