@@ -159,7 +159,8 @@ def test_bf16_kernel_rows_match_and_do_not_depend_on_threads(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     threads = torch.get_num_threads()
     try:
-        for n, k in [(5, 13), (130, 24), (1000, 40), (200, 576), (70, 100)]:
+        # (130, 2085): rows longer than the blocked path's limit, in blocks and a remainder
+        for n, k in [(5, 13), (130, 24), (1000, 40), (200, 576), (70, 100), (130, 2085)]:
             w = torch.randn(n, k, generator=g).bfloat16()
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(rows, k, generator=g).to(dtype)
@@ -194,14 +195,17 @@ def test_bf16_matvec_kernel_takes_and_returns_bf16_exactly() -> None:
 
 def test_avx512_bf16_product_of_a_row_does_not_depend_on_the_other_rows() -> None:
     """On the AVX512-BF16 path every row is summed the same way whatever the row count: a
-    sequence's bf16 products in a verify step or a batch equal its products alone."""
+    sequence's bf16 products in a verify step or a batch equal its products alone. Rows of
+    more than 2048 columns are walked in column blocks from three rows of X on, and whole
+    below: the same sums (K = 4133: blocks, the 32-wide remainder and a tail; N = 70: a
+    second, partial tile)."""
     own_kernels()
     if not own_avx512_bf16():
         pytest.skip("this CPU has no AVX512-BF16: the own product takes its AVX2 path")
     matvec, avx2 = own_kernels().matvec, matvec_avx2()
     assert avx2 is not None
     g = torch.Generator().manual_seed(1)
-    for n, k in [(200, 576), (64, 1536), (33, 40)]:
+    for n, k in [(200, 576), (64, 1536), (33, 40), (70, 4096 + 32 + 5)]:
         w = torch.randn(n, k, generator=g).bfloat16()
         x = torch.randn(19, k, generator=g).bfloat16()
         alone = torch.cat([matvec(w, x[i : i + 1]) for i in range(19)])  # [19, n]
