@@ -70,14 +70,14 @@ def switch(model: Any, kernels: Any, off: str) -> None:
     # op by op: the whole-layer kernel multiplies and attends with its own paths
     if off == "avx2":
         kernels = replace(kernels, matvec=matvec_avx2(), matvec_rows=MATVEC_ROWS_NATIVE_BF16,
-                          layer=None)
+                          large_rows=MATVEC_ROWS_NATIVE_BF16, layer=None)
     elif off == "widened":  # prefills back to SDPA
         kernels = replace(kernels, attention=attention_widened(),
                           attention_queries=ATTENTION_QUERIES, layer=None)
     elif off == INVARIANT:
         kernels = batch_invariant(kernels)
     elif limit is not None:
-        kernels = replace(kernels, matvec_rows=limit)
+        kernels = replace(kernels, matvec_rows=limit, large_rows=limit)
     keep = off in ("all", INVARIANT, *ONLY_AVX512_BF16) or limit is not None
     set_cpu_kernels(model, kernels if keep else replace(kernels, **{off: None}))
 

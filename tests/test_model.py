@@ -11,6 +11,7 @@ import transformers
 from tests.harness import own_kernels
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.kernels import (
+    LARGE_PRODUCT,
     CpuKernels,
     attention_avx2,
     attention_widened,
@@ -19,7 +20,7 @@ from tlt_serve.kernels import (
     own_avx512_bf16,
 )
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
-from tlt_serve.models.llama import MATVEC_ROWS, Linear, set_cpu_kernels
+from tlt_serve.models.llama import MATVEC_ROWS, DecoderLayer, Linear, set_cpu_kernels
 from tlt_serve.models.loader import WeightError, build_model, iter_safetensors, load_weights
 
 
@@ -236,6 +237,26 @@ def test_own_product_takes_at_most_matvec_rows_rows_and_torch_the_rest() -> None
     assert taken == [1, 4]
     set_cpu_kernels(lin, None)  # no kernel: the default limit again
     assert lin.matvec is None and lin.matvec_rows == MATVEC_ROWS
+
+
+def test_products_of_many_weights_take_their_own_row_limit(tiny_model_dir) -> None:
+    """A product of LARGE_PRODUCT weights or more gets
+    ``large_rows``, the others ``matvec_rows``; a layer's whole-layer kernel takes its
+    products' smallest limit."""
+    kernels = replace(own_kernels(), matvec_rows=48, large_rows=16)
+    big, small = Linear(64, LARGE_PRODUCT // 64), Linear(64, 48)
+    assert big.weight.numel() == LARGE_PRODUCT
+    set_cpu_kernels(big, kernels)
+    set_cpu_kernels(small, kernels)
+    assert (big.matvec_rows, small.matvec_rows) == (16, 48)
+    model = build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True)
+    set_cpu_kernels(model, kernels)
+    layer = next(m for m in model.modules() if isinstance(m, DecoderLayer))
+    assert layer.kernel_rows == 48  # the tiny model's products are small
+    layer.mlp.down_proj.weight = torch.nn.Parameter(
+        torch.zeros(64, LARGE_PRODUCT // 64, dtype=torch.bfloat16), requires_grad=False)
+    set_cpu_kernels(model, kernels)
+    assert layer.kernel_rows == 16 and layer.mlp.down_proj.matvec_rows == 16
 
 
 def test_bf16_rms_norm_kernel_is_hf_order() -> None:
@@ -491,13 +512,13 @@ def test_whole_layer_kernel_gives_the_op_by_op_layers_bits(tiny_model_dir) -> No
     different lengths (padding tokens), a decode step, a packed verify step of ragged drafts.
     Every real position's hidden state and every cache entry is the same bits."""
     from tlt_serve.engine.runner import extend_batch
-    from tlt_serve.models.llama import DecoderLayer
 
     own_kernels()
     models = [build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True) for _ in range(2)]
     kernels = models[0].kernels
     assert kernels is not None and kernels.layer is not None
-    kernels = replace(kernels, matvec_rows=MATVEC_ROWS)  # every step's rows, on any host
+    # every step's rows, on any host
+    kernels = replace(kernels, matvec_rows=MATVEC_ROWS, large_rows=MATVEC_ROWS)
     set_cpu_kernels(models[0], kernels)
     set_cpu_kernels(models[1], replace(kernels, layer=None))
     layers = [m for m in models[0].modules() if isinstance(m, DecoderLayer)]

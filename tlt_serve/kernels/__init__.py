@@ -71,10 +71,19 @@ TokenScores = Callable[[torch.Tensor, torch.Tensor],
 # as of 32, and a limit of 128 stayed within the host's spread of 64 (x0.97-1.09) at 48-128
 # (``benchmarks.kernels ab --configs rows32,rows128``, 3 rounds). Where the CPU has AMX tiles
 # torch's product runs on them and the own one does not: there the limit stays the Zen 4's.
+# Products of many weights run at torch's GEMM rate sooner: on the Zen 5 EPYC (2 threads)
+# the own product of a 1.5B model's projections (Qwen2.5-1.5B's shapes, 3-28M weights each,
+# and its 233M-weight head) took x0.64 / 0.88 / 1.10 / 1.65 torch's time at 8 / 16 / 32 / 64
+# rows (``benchmarks.kernels rows --hidden 1536 --intermediate 8960 --kv-dim 256 --vocab
+# 151936 --layers 28``), the default model's 28M-weight head x0.91 / 1.19 at 48 / 64 rows:
+# products of LARGE_PRODUCT weights or more take the own kernel up to MATVEC_ROWS_LARGE rows
+# there (a whole-layer kernel: up to its products' smallest limit).
 MATVEC_ROWS = 128
 MATVEC_ROWS_NATIVE_BF16 = 8
 MATVEC_ROWS_AVX512_BF16 = 64
 MATVEC_ROWS_AMX = 32
+LARGE_PRODUCT = 1 << 22  # weights
+MATVEC_ROWS_LARGE = 32
 # Most query tokens per row the own attention takes; longer rows (prefill) go to torch's SDPA,
 # which tiles them. The own attention computes each (query, KV head) alone over exactly the
 # keys it sees, its rows' keys and values staying in cache for the next query. With the
@@ -103,6 +112,7 @@ class CpuKernels:
     norm: NormKernel | None  # RMSNorm of bf16 rows, HF's rounding order
     attention: RowAttention | None  # query tokens over their rows' cached keys
     matvec_rows: int = MATVEC_ROWS  # products of more rows use torch's
+    large_rows: int = MATVEC_ROWS  # the same for products of LARGE_PRODUCT weights or more
     # rows of more query tokens use torch's SDPA: heads of DOT_HEAD_DIMS, and the others
     attention_queries: int = ATTENTION_QUERIES
     other_head_queries: int = ATTENTION_QUERIES
@@ -110,6 +120,10 @@ class CpuKernels:
     # a copy that replaces any of them (an A/B) must drop it too.
     layer: LayerKernel | None = None
     scores: TokenScores | None = None  # prompt logprobs: log-softmax parts and ranks
+
+    def rows_for(self, weight: torch.Tensor) -> int:
+        """Most rows the own product takes for ``weight`` [N, K]; more go to torch's."""
+        return self.large_rows if weight.numel() >= LARGE_PRODUCT else self.matvec_rows
 
 
 def _module() -> Any:
@@ -148,11 +162,12 @@ def cpu_kernels() -> CpuKernels | None:
     queries = ATTENTION_QUERIES
     if own_avx512_bf16():
         rows = MATVEC_ROWS_AMX if amx_tiles() else MATVEC_ROWS_AVX512_BF16
+        large = min(rows, MATVEC_ROWS_LARGE)
         queries = ATTENTION_QUERIES_AVX512_BF16
     else:
-        rows = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS
+        rows = large = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS
     return CpuKernels(
-        module.gemv_bf16, module.rms_norm_bf16, module.attention_bf16, rows,
+        module.gemv_bf16, module.rms_norm_bf16, module.attention_bf16, rows, large,
         attention_queries=queries, layer=module.decoder_layer_bf16,
         scores=module.log_softmax_rank,
     )
@@ -164,8 +179,8 @@ def batch_invariant(kernels: CpuKernels) -> CpuKernels:
     step holds (a row's sums run in one order, its attention over exactly its keys), so a
     token's logits depend on the tokens before it only. Prompt logprobs by torch's
     log-softmax, as the sampler computes generated tokens' (bit for bit the same)."""
-    return replace(kernels, matvec_rows=EVERY_ROW, attention_queries=EVERY_ROW,
-                   other_head_queries=EVERY_ROW, scores=None)
+    return replace(kernels, matvec_rows=EVERY_ROW, large_rows=EVERY_ROW,
+                   attention_queries=EVERY_ROW, other_head_queries=EVERY_ROW, scores=None)
 
 
 def matvec_avx2() -> MatVec | None:

@@ -355,7 +355,7 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
     for m in module.modules():
         if isinstance(m, Linear):
             m.matvec = None if kernels is None else kernels.matvec
-            m.matvec_rows = MATVEC_ROWS if kernels is None else kernels.matvec_rows
+            m.matvec_rows = MATVEC_ROWS if kernels is None else kernels.rows_for(m.weight)
         elif isinstance(m, RMSNorm):
             m.kernel = None if kernels is None else kernels.norm
         elif isinstance(m, Attention):
@@ -366,7 +366,8 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
                 m.kernel_queries = kernels.attention_queries if dot else kernels.other_head_queries
         elif isinstance(m, DecoderLayer):
             m.kernel = None if kernels is None or not _layer_fits(m, kernels) else kernels.layer
-            m.kernel_rows = MATVEC_ROWS if kernels is None else kernels.matvec_rows
+            m.kernel_rows = MATVEC_ROWS if kernels is None else min(
+                kernels.rows_for(p.weight) for p in m.modules() if isinstance(p, Linear))
 
 
 def _attention_fits(m: Attention) -> bool:
