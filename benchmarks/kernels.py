@@ -138,7 +138,8 @@ def ab(a: argparse.Namespace) -> Path:
 def _engine(
     a: argparse.Namespace, seqs: int, max_len: int
 ) -> tuple[Any, Any, Any, tuple[str, ...]]:
-    """One bf16 engine on ``a.model`` for ``seqs`` sequences of ``max_len`` tokens: (LLM, its
+    """One bf16 engine on ``a.model`` for ``seqs`` sequences of ``max_len`` tokens, no prefix
+    cache: (LLM, its
     model, the model's full set of own kernels, the configurations to compare: ``a.configs``
     or every one this CPU has, "all" first)."""
     from tlt_serve import LLM
@@ -146,9 +147,11 @@ def _engine(
     from tlt_serve.kernels import own_avx512_bf16
 
     torch.set_num_threads(a.threads)
+    # no prefix cache: ab runs each round's prompts under every configuration, and the later
+    # ones would reuse the first one's KV and skip their prefills
     llm = LLM(config=EngineConfig(
         model=ModelConfig(model=a.model, dtype="bfloat16", max_model_len=max_len),
-        cache=CacheConfig(max_num_seqs=seqs)))
+        cache=CacheConfig(max_num_seqs=seqs, prefix_cache=False)))
     model, kernels = llm.engine.model, llm.engine.model.kernels  # the full set
     if kernels is None:
         raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
