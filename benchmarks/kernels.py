@@ -139,9 +139,8 @@ def _engine(
     a: argparse.Namespace, seqs: int, max_len: int
 ) -> tuple[Any, Any, Any, tuple[str, ...]]:
     """One bf16 engine on ``a.model`` for ``seqs`` sequences of ``max_len`` tokens, no prefix
-    cache: (LLM, its
-    model, the model's full set of own kernels, the configurations to compare: ``a.configs``
-    or every one this CPU has, "all" first)."""
+    cache: (LLM, its model, the model's full set of own kernels, the configurations to
+    compare: ``a.configs`` or every one this CPU has, "all" first)."""
     from tlt_serve import LLM
     from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
     from tlt_serve.kernels import own_avx512_bf16
