@@ -199,14 +199,14 @@ def test_avx512_bf16_product_of_a_row_does_not_depend_on_the_other_rows() -> Non
     sequence's bf16 products in a verify step or a batch equal its products alone. Rows of
     more than 2048 columns are walked in column blocks from three rows of X on, and whole
     below: the same sums (K = 4133: blocks, the 32-wide remainder and a tail; N = 70: a
-    second, partial tile)."""
+    second, partial tile; K = 2597: a partial last block)."""
     own_kernels()
     if not own_avx512_bf16():
         pytest.skip("this CPU has no AVX512-BF16: the own product takes its AVX2 path")
     matvec, avx2 = own_kernels().matvec, matvec_avx2()
     assert avx2 is not None
     g = torch.Generator().manual_seed(1)
-    for n, k in [(200, 576), (64, 1536), (33, 40), (70, 4096 + 32 + 5)]:
+    for n, k in [(200, 576), (64, 1536), (33, 40), (70, 4096 + 32 + 5), (40, 2560 + 37)]:
         w = torch.randn(n, k, generator=g).bfloat16()
         x = torch.randn(19, k, generator=g).bfloat16()
         alone = torch.cat([matvec(w, x[i : i + 1]) for i in range(19)])  # [19, n]
@@ -240,9 +240,9 @@ def test_own_product_takes_at_most_matvec_rows_rows_and_torch_the_rest() -> None
 
 
 def test_products_of_many_weights_take_their_own_row_limit(tiny_model_dir) -> None:
-    """A product of LARGE_PRODUCT weights or more gets
-    ``large_rows``, the others ``matvec_rows``; a layer's whole-layer kernel takes its
-    products' smallest limit."""
+    """A layer's product of LARGE_PRODUCT weights or more gets ``large_rows``, the others and
+    the head ``matvec_rows``; a layer's whole-layer kernel takes its products' smallest
+    limit."""
     kernels = replace(own_kernels(), matvec_rows=48, large_rows=16)
     big, small = Linear(64, LARGE_PRODUCT // 64), Linear(64, 48)
     assert big.weight.numel() == LARGE_PRODUCT
@@ -253,6 +253,10 @@ def test_products_of_many_weights_take_their_own_row_limit(tiny_model_dir) -> No
     set_cpu_kernels(model, kernels)
     layer = next(m for m in model.modules() if isinstance(m, DecoderLayer))
     assert layer.kernel_rows == 48  # the tiny model's products are small
+    model.lm_head.weight = torch.nn.Parameter(  # a large head keeps matvec_rows
+        torch.zeros(LARGE_PRODUCT // 64, 64, dtype=torch.bfloat16), requires_grad=False)
+    set_cpu_kernels(model, kernels)
+    assert model.lm_head.matvec_rows == 48
     layer.mlp.down_proj.weight = torch.nn.Parameter(
         torch.zeros(64, LARGE_PRODUCT // 64, dtype=torch.bfloat16), requires_grad=False)
     set_cpu_kernels(model, kernels)

@@ -177,10 +177,11 @@ TLT_AVX512BF16 static void rows_tile_bf16(const uint16_t* w, const uint16_t* xv,
 // Long rows (K > kLongK: an MLP's down projection in models of 1.5B and up, K = 8192-8960):
 // 8 rows of X take 8 x K x 2 bytes, 128 KB at K = 8192, past the L1 cache, and every dot
 // product then loads its X operand from L2 (8 rows x 8192 x 2048 weight rows: 1.68 ms here
-// against 0.75 ms for the same multiply-adds at K = 2048, and 1.1 ms for torch's GEMM). So K
+// against 0.75 ms for the same multiply-adds at K = 2048, and 1.1 ms for torch's GEMM, weights
+// in cache). So K
 // is walked in blocks of kBlockK columns (8 rows: 16 KB, L1-resident) across the whole tile
 // of weight rows, each (weight row, X row) pair's two accumulators kept in memory between
-// blocks. Every lane does the same FMAs in the same order as rows_tile_bf16 (the 64-wide
+// blocks (1 KB a weight row at 8 rows, loaded and stored once per block of 16 x 16 products). Every lane does the same FMAs in the same order as rows_tile_bf16 (the 64-wide
 // steps in order, then the 32-wide remainder and the tail into the first set): the same
 // bits, whatever K. One or two rows (16-32 KB at K = 8192) stream each weight row whole, which
 // the hardware prefetcher follows better (1 row, 2048 x 8192 weights from memory: 0.63 ms whole,
@@ -210,7 +211,7 @@ TLT_AVX512BF16 static void rows_tile_bf16_long(const uint16_t* w, const uint16_t
       for (int s = 0; s < 2; ++s)
         for (int m = 0; m < M; ++m) acc[s][m] = kept[r][s][m];
       for (int64_t k = k0; k < k1; k += 64) {
-        if (r + 1 < rows || k1 < body) {
+        if (r + 1 < rows || k + kBlockK < body) {  // (the first row's next block is in K)
           _mm_prefetch(next + 2 * k, _MM_HINT_T0);
           _mm_prefetch(next + 2 * k + 64, _MM_HINT_T0);
         }
