@@ -30,7 +30,7 @@ def write(out: Path, hidden: int, intermediate: int, layers: int, heads: int, kv
         max_position_embeddings=4096, tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)

@@ -106,3 +106,18 @@ def test_target_update_reslices_the_draft_head(
     new = engine.model.lm_head.weight.detach().clone() * 1.5
     assert EngineUpdates(engine).load([(name, new)], "1").weight_version == "1"
     torch.testing.assert_close(drafter.head.weight, new[drafter.draft_vocab])
+
+
+def test_the_draft_head_multiplies_as_the_target_head(
+    tiny_model_dir: Path, pair: dict[str, Path]
+) -> None:
+    """The sliced draft head takes the target head's product and row limit (in bf16 the own
+    kernel's, up to ``matvec_rows`` rows), not the defaults of a new Linear."""
+    spec = SpecConfig(method="drafter", min_draft_confidence=0.0, drafter=str(pair["sliced"]))
+    engine = make_llm(tiny_model_dir, spec, dtype="bfloat16").engine
+    drafter, head = engine.spec.drafter, engine.model.lm_head
+    assert drafter is not None and drafter.head is not None
+    assert drafter.head.matvec is head.matvec
+    assert drafter.head.matvec_rows == head.matvec_rows
+    if engine.model.kernels is not None:
+        assert head.matvec is not None and head.matvec_rows == engine.model.kernels.matvec_rows

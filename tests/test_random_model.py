@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks.random_model import main
 from tlt_serve import LLM, SamplingParams
 from tlt_serve.config import EngineConfig, ModelConfig
+
+pytestmark = pytest.mark.real_model  # the default model's tokenizer
 
 
 def test_a_random_checkpoint_has_the_shape_asked_and_serves(tmp_path: Path) -> None:

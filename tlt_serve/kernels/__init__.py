@@ -76,8 +76,9 @@ TokenScores = Callable[[torch.Tensor, torch.Tensor],
 # and its 233M-weight head) took x0.64 / 0.88 / 1.10 / 1.65 torch's time at 8 / 16 / 32 / 64
 # rows (``benchmarks.kernels rows --hidden 1536 --intermediate 8960 --kv-dim 256 --vocab
 # 151936 --layers 28``), the default model's 28M-weight head x0.91 / 1.19 at 48 / 64 rows:
-# products of LARGE_PRODUCT weights or more take the own kernel up to MATVEC_ROWS_LARGE rows
-# there (a whole-layer kernel: up to its products' smallest limit).
+# a layer's products of LARGE_PRODUCT weights or more take the own kernel up to
+# MATVEC_ROWS_LARGE rows there (a whole-layer kernel: up to its products' smallest limit; a
+# head keeps MATVEC_ROWS_*: models.llama.set_cpu_kernels).
 MATVEC_ROWS = 128
 MATVEC_ROWS_NATIVE_BF16 = 8
 MATVEC_ROWS_AVX512_BF16 = 64
@@ -112,7 +113,7 @@ class CpuKernels:
     norm: NormKernel | None  # RMSNorm of bf16 rows, HF's rounding order
     attention: RowAttention | None  # query tokens over their rows' cached keys
     matvec_rows: int = MATVEC_ROWS  # products of more rows use torch's
-    large_rows: int = MATVEC_ROWS  # the same for products of LARGE_PRODUCT weights or more
+    large_rows: int = MATVEC_ROWS  # the same for a layer's products of LARGE_PRODUCT weights+
     # rows of more query tokens use torch's SDPA: heads of DOT_HEAD_DIMS, and the others
     attention_queries: int = ATTENTION_QUERIES
     other_head_queries: int = ATTENTION_QUERIES

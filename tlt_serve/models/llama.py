@@ -352,10 +352,15 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
     to 16 query heads per KV head: its limits)."""
     if isinstance(module, LlamaModel):
         module.kernels = kernels  # a drafter loaded for this model uses the same
+    # A head keeps ``matvec_rows`` whatever its size: its product at 33-64 rows bought nothing
+    # measurable on the default model (28M weights), and a verify step's logits then take the
+    # own product as far as a decode step's, so bf16 speculation stays bit-exact that far.
+    heads = {id(module.lm_head)} if isinstance(module, LlamaModel) else set()
     for m in module.modules():
         if isinstance(m, Linear):
             m.matvec = None if kernels is None else kernels.matvec
-            m.matvec_rows = MATVEC_ROWS if kernels is None else kernels.rows_for(m.weight)
+            m.matvec_rows = (MATVEC_ROWS if kernels is None else kernels.matvec_rows
+                             if id(m) in heads else kernels.rows_for(m.weight))
         elif isinstance(m, RMSNorm):
             m.kernel = None if kernels is None else kernels.norm
         elif isinstance(m, Attention):

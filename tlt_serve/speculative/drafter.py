@@ -131,7 +131,7 @@ class DrafterModel(nn.Module):
         head = Linear(self.cfg.hidden_size, len(vocab), bias=False).to(src.weight)
         with torch.no_grad():
             head.weight.copy_(src.weight[vocab])
-        head.matvec = src.matvec
+        head.matvec, head.matvec_rows = src.matvec, src.matvec_rows  # the target head's
         head.set_fp32_copy(src.weight_f32 is not None)
         self.__dict__["head"] = head.requires_grad_(False)
 
