@@ -10,9 +10,9 @@ the whole run):
   vllm-eager           the same with ``--enforce-eager``
   vllm-cpu             vLLM's own OpenAI server with its defaults (``--vllm-python``)
 
-Shapes, all through the OpenAI routes (the same requests for every server; sampled requests
-carry seeds under ``--together`` only: vLLM-CPU 0.32's engine dies on a seeded prompt it
-chunks):
+Shapes, all through the OpenAI routes (the same requests for every server; slime's and the
+agentic shape's requests carry seeds under ``--together`` only, the others none: vLLM-CPU
+0.32's engine dies on a seeded prompt it chunks):
 
   batch B   B completions of ``--new-tokens`` tokens at once, EOS ignored, T = 0, one per
             B in ``--batches``: completion tokens per second

@@ -43,20 +43,25 @@ SHORT = {"all": "all own kernels", "layer": "own kernels op by op",
 ONLY_AVX512_BF16 = ("avx2", "widened")  # configurations that differ from "all" only there
 
 
-def row_limit(config: str) -> int | None:
-    """N of a configuration ``rowsN``: the own product (and the whole-layer kernel) up to N
-    rows, torch's above."""
-    return int(config[4:]) if config.startswith("rows") and config[4:].isdigit() else None
+def row_limit(config: str, prefix: str = "rows") -> int | None:
+    """N of a configuration ``rowsN`` (the own product and the whole-layer kernel up to N
+    rows, torch's above) or, with ``prefix`` "large", ``largeN`` (the same for a layer's
+    products of ``LARGE_PRODUCT`` weights or more, ``CpuKernels.large_rows``)."""
+    n = config[len(prefix):]
+    return int(n) if config.startswith(prefix) and n.isdigit() else None
 
 
 def label(config: str) -> str:
-    n = row_limit(config)
-    return LABELS[config] if n is None else f"the own product and layer kernel up to {n} rows"
+    if (n := row_limit(config)) is not None:
+        return f"the own product and layer kernel up to {n} rows"
+    if (n := row_limit(config, "large")) is not None:
+        return f"a layer's products of 4M weights or more up to {n} rows"
+    return LABELS[config]
 
 
 def switch(model: Any, kernels: Any, off: str) -> None:
     """Own kernels everywhere except ``off`` ("all": none off; "avx2": the AVX2 product;
-    "rowsN": all, the own product's row limit N)."""
+    "rowsN": all, the own product's row limit N; "largeN": all, large products' limit N)."""
     from tlt_serve.kernels import (
         ATTENTION_QUERIES,
         MATVEC_ROWS_NATIVE_BF16,
@@ -78,7 +83,10 @@ def switch(model: Any, kernels: Any, off: str) -> None:
         kernels = batch_invariant(kernels)
     elif limit is not None:
         kernels = replace(kernels, matvec_rows=limit, large_rows=limit)
-    keep = off in ("all", INVARIANT, *ONLY_AVX512_BF16) or limit is not None
+    elif (large := row_limit(off, "large")) is not None:
+        kernels = replace(kernels, large_rows=large)
+    keep = (off in ("all", INVARIANT, *ONLY_AVX512_BF16) or limit is not None
+            or row_limit(off, "large") is not None)
     set_cpu_kernels(model, kernels if keep else replace(kernels, **{off: None}))
 
 
@@ -158,7 +166,8 @@ def _engine(
     # other CPUs)
     configs = (*OFF, INVARIANT, *ONLY_AVX512_BF16) if own_avx512_bf16() else OFF
     if a.configs:
-        unknown = {c for c in a.configs if c not in configs and row_limit(c) is None}
+        unknown = {c for c in a.configs if c not in configs and row_limit(c) is None
+                   and row_limit(c, "large") is None}
         if unknown:
             raise SystemExit(f"--configs: {sorted(unknown)} not among {list(configs)} here")
         configs = ("all", *(c for c in a.configs if c != "all"))
@@ -247,7 +256,8 @@ def _ab_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--configs", type=lambda s: s.split(","), default=None,
                    help="comma-separated configurations (all, layer, matvec, norm, attention, "
-                        "invariant, rowsN: the own product's row limit N; "
+                        "invariant, rowsN: the own product's row limit N; largeN: the same "
+                        "for a layer's products of 4M weights or more; "
                         "avx2, widened with AVX512-BF16); default every one")
 
 
