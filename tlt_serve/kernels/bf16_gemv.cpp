@@ -128,49 +128,66 @@ static void rows_block(const uint16_t* w, const float* xv, float* out, int64_t M
 // weight row 16 rows ahead into L2 overlaps them again (5 rows: 6.4 ms, 8 rows: 8.8 vs 13.5 ms);
 // into L1, or fewer rows ahead, gains little; at 1-2 rows it costs ~3%, so they go without.
 
+// One 64-wide step of a weight row's sums: row[k, k + 64) times each X row into its two
+// accumulator sets (32 columns each). Both tile walks below sum only through these two, so a
+// row's FMAs run in one order whichever walk takes it.
+template <int M>
+TLT_AVX512BF16 __attribute__((always_inline)) static inline void dot_step64(
+    __m512 (&acc)[2][M], const uint16_t* row, const uint16_t* xv, int64_t K, int64_t k) {
+  for (int s = 0; s < 2; ++s) {
+    const __m512i wv = _mm512_loadu_si512(row + k + 32 * s);
+    for (int m = 0; m < M; ++m) {
+      const __m512i x = _mm512_loadu_si512(xv + m * K + k + 32 * s);
+      acc[s][m] = _mm512_dpbf16_ps(acc[s][m], (__m512bh)wv, (__m512bh)x);
+    }
+  }
+}
+
+// The columns after the 64-wide steps (from k = K - K % 64): a 32-wide block and the tail
+// (zero-filled lanes add 0 * 0), both into the first set; then each X row's output.
+template <int M>
+TLT_AVX512BF16 __attribute__((always_inline)) static inline void dot_finish(
+    __m512 (&acc)[2][M], const uint16_t* row, const uint16_t* xv, int64_t K, float* out,
+    int64_t N, int64_t n) {
+  int64_t k = K - K % 64;
+  if (k + 32 <= K) {
+    const __m512i wv = _mm512_loadu_si512(row + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512i x = _mm512_loadu_si512(xv + m * K + k);
+      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)wv, (__m512bh)x);
+    }
+    k += 32;
+  }
+  if (const int64_t tail = K - k) {
+    const __mmask32 mask = static_cast<__mmask32>((1ull << tail) - 1);
+    const __m512i wv = _mm512_maskz_loadu_epi16(mask, row + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512i x = _mm512_maskz_loadu_epi16(mask, xv + m * K + k);
+      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)wv, (__m512bh)x);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    out[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
+}
+
 template <int M>
 TLT_AVX512BF16 static void rows_tile_bf16(const uint16_t* w, const uint16_t* xv, float* out,
                                           int64_t N, int64_t K, int64_t begin, int64_t end) {
   constexpr bool ahead = M >= 3;
-  const int64_t tail = K % 32;
-  const __mmask32 tail_mask = tail ? static_cast<__mmask32>((1ull << tail) - 1) : 0;
   for (int64_t n = begin; n < end; ++n) {
     const uint16_t* row = w + n * K;
     const char* next = reinterpret_cast<const char*>(w + std::min(n + kPrefetchRows, N - 1) * K);
     __m512 acc[2][M];
     for (int s = 0; s < 2; ++s)
       for (int m = 0; m < M; ++m) acc[s][m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
+    for (int64_t k = 0; k + 64 <= K; k += 64) {
       if (ahead) {  // the two cache lines this step's 64 weights take, 16 rows on
         _mm_prefetch(next + 2 * k, _MM_HINT_T1);
         _mm_prefetch(next + 2 * k + 64, _MM_HINT_T1);
       }
-      for (int s = 0; s < 2; ++s) {
-        const __m512i wv = _mm512_loadu_si512(row + k + 32 * s);
-        for (int m = 0; m < M; ++m) {
-          const __m512i x = _mm512_loadu_si512(xv + m * K + k + 32 * s);
-          acc[s][m] = _mm512_dpbf16_ps(acc[s][m], (__m512bh)wv, (__m512bh)x);
-        }
-      }
+      dot_step64<M>(acc, row, xv, K, k);
     }
-    if (k + 32 <= K) {
-      const __m512i wv = _mm512_loadu_si512(row + k);
-      for (int m = 0; m < M; ++m) {
-        const __m512i x = _mm512_loadu_si512(xv + m * K + k);
-        acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)wv, (__m512bh)x);
-      }
-      k += 32;
-    }
-    if (tail) {  // zero-filled lanes add 0 * 0
-      const __m512i wv = _mm512_maskz_loadu_epi16(tail_mask, row + k);
-      for (int m = 0; m < M; ++m) {
-        const __m512i x = _mm512_maskz_loadu_epi16(tail_mask, xv + m * K + k);
-        acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)wv, (__m512bh)x);
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      out[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
+    dot_finish<M>(acc, row, xv, K, out, N, n);
   }
 }
 
@@ -178,14 +195,13 @@ TLT_AVX512BF16 static void rows_tile_bf16(const uint16_t* w, const uint16_t* xv,
 // 8 rows of X take 8 x K x 2 bytes, 128 KB at K = 8192, past the L1 cache, and every dot
 // product then loads its X operand from L2 (8 rows x 8192 x 2048 weight rows: 1.68 ms here
 // against 0.75 ms for the same multiply-adds at K = 2048, and 1.1 ms for torch's GEMM, weights
-// in cache). So K
-// is walked in blocks of kBlockK columns (8 rows: 16 KB, L1-resident) across the whole tile
-// of weight rows, each (weight row, X row) pair's two accumulators kept in memory between
-// blocks (1 KB a weight row at 8 rows, loaded and stored once per block of 16 x 16 products). Every lane does the same FMAs in the same order as rows_tile_bf16 (the 64-wide
-// steps in order, then the 32-wide remainder and the tail into the first set): the same
+// in cache). So K is walked in blocks of kBlockK columns (8 rows: 16 KB, L1-resident) across
+// the whole tile of weight rows, each (weight row, X row) pair's two accumulators kept in
+// memory between blocks (1 KB a weight row at 8 rows, loaded and stored once per block of
+// 16 x 16 products). The steps are dot_step64's and dot_finish's, in the same order: the same
 // bits, whatever K. One or two rows (16-32 KB at K = 8192) stream each weight row whole, which
-// the hardware prefetcher follows better (1 row, 2048 x 8192 weights from memory: 0.63 ms whole,
-// 0.80 ms blocked).
+// the hardware prefetcher follows better (1 row, 2048 x 8192 weights from memory: 0.63 ms
+// whole, 0.80 ms blocked).
 constexpr int64_t kLongK = 2048;
 constexpr int kLongRows = 3;
 constexpr int64_t kBlockK = 1024;  // a multiple of 64
@@ -215,41 +231,14 @@ TLT_AVX512BF16 static void rows_tile_bf16_long(const uint16_t* w, const uint16_t
           _mm_prefetch(next + 2 * k, _MM_HINT_T0);
           _mm_prefetch(next + 2 * k + 64, _MM_HINT_T0);
         }
-        for (int s = 0; s < 2; ++s) {
-          const __m512i wv = _mm512_loadu_si512(row + k + 32 * s);
-          for (int m = 0; m < M; ++m) {
-            const __m512i x = _mm512_loadu_si512(xv + m * K + k + 32 * s);
-            acc[s][m] = _mm512_dpbf16_ps(acc[s][m], (__m512bh)wv, (__m512bh)x);
-          }
-        }
+        dot_step64<M>(acc, row, xv, K, k);
       }
       for (int s = 0; s < 2; ++s)
         for (int m = 0; m < M; ++m) kept[r][s][m] = acc[s][m];
     }
   }
-  const int64_t tail = K % 32;
-  const __mmask32 tail_mask = tail ? static_cast<__mmask32>((1ull << tail) - 1) : 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* row = w + (begin + r) * K;
-    int64_t k = body;
-    if (k + 32 <= K) {
-      const __m512i wv = _mm512_loadu_si512(row + k);
-      for (int m = 0; m < M; ++m) {
-        const __m512i x = _mm512_loadu_si512(xv + m * K + k);
-        kept[r][0][m] = _mm512_dpbf16_ps(kept[r][0][m], (__m512bh)wv, (__m512bh)x);
-      }
-      k += 32;
-    }
-    if (tail) {  // zero-filled lanes add 0 * 0
-      const __m512i wv = _mm512_maskz_loadu_epi16(tail_mask, row + k);
-      for (int m = 0; m < M; ++m) {
-        const __m512i x = _mm512_maskz_loadu_epi16(tail_mask, xv + m * K + k);
-        kept[r][0][m] = _mm512_dpbf16_ps(kept[r][0][m], (__m512bh)wv, (__m512bh)x);
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      out[m * N + begin + r] = _mm512_reduce_add_ps(_mm512_add_ps(kept[r][0][m], kept[r][1][m]));
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    dot_finish<M>(kept[r], w + (begin + r) * K, xv, K, out, N, begin + r);
 }
 
 template <int M>
