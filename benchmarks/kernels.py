@@ -71,7 +71,7 @@ def switch(model: Any, kernels: Any, off: str) -> None:
     )
     from tlt_serve.models.llama import set_cpu_kernels
 
-    limit = row_limit(off)
+    limit, large = row_limit(off), row_limit(off, "large")
     # op by op: the whole-layer kernel multiplies and attends with its own paths
     if off == "avx2":
         kernels = replace(kernels, matvec=matvec_avx2(), matvec_rows=MATVEC_ROWS_NATIVE_BF16,
@@ -83,10 +83,10 @@ def switch(model: Any, kernels: Any, off: str) -> None:
         kernels = batch_invariant(kernels)
     elif limit is not None:
         kernels = replace(kernels, matvec_rows=limit, large_rows=limit)
-    elif (large := row_limit(off, "large")) is not None:
+    elif large is not None:
         kernels = replace(kernels, large_rows=large)
     keep = (off in ("all", INVARIANT, *ONLY_AVX512_BF16) or limit is not None
-            or row_limit(off, "large") is not None)
+            or large is not None)
     set_cpu_kernels(model, kernels if keep else replace(kernels, **{off: None}))
 
 

@@ -347,20 +347,15 @@ class LlamaModel(nn.Module):
 
 def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
     """Use the own bf16 kernels in ``module`` (None, or a None field: torch's): the product
-    for up to MATVEC_ROWS rows, the RMSNorms, the attention of decode and verify rows (and of
-    prefills, ``CpuKernels.attention_queries``; for head_dim a multiple of 8 up to 256 and up
-    to 16 query heads per KV head: its limits)."""
+    for up to ``CpuKernels.rows_for`` its weight rows (a head: ``matvec_rows``), the RMSNorms,
+    the attention of decode and verify rows (and of prefills, ``attention_queries``; for
+    head_dim a multiple of 8 up to 256 and up to 16 query heads per KV head: its limits)."""
     if isinstance(module, LlamaModel):
         module.kernels = kernels  # a drafter loaded for this model uses the same
-    # A head keeps ``matvec_rows`` whatever its size: its product at 33-64 rows bought nothing
-    # measurable on the default model (28M weights), and a verify step's logits then take the
-    # own product as far as a decode step's, so bf16 speculation stays bit-exact that far.
-    heads = {id(module.lm_head)} if isinstance(module, LlamaModel) else set()
     for m in module.modules():
         if isinstance(m, Linear):
             m.matvec = None if kernels is None else kernels.matvec
-            m.matvec_rows = (MATVEC_ROWS if kernels is None else kernels.matvec_rows
-                             if id(m) in heads else kernels.rows_for(m.weight))
+            m.matvec_rows = MATVEC_ROWS if kernels is None else kernels.rows_for(m.weight)
         elif isinstance(m, RMSNorm):
             m.kernel = None if kernels is None else kernels.norm
         elif isinstance(m, Attention):
@@ -373,6 +368,11 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
             m.kernel = None if kernels is None or not _layer_fits(m, kernels) else kernels.layer
             m.kernel_rows = MATVEC_ROWS if kernels is None else min(
                 kernels.rows_for(p.weight) for p in m.modules() if isinstance(p, Linear))
+    if isinstance(module, LlamaModel) and kernels is not None:
+        # The head keeps ``matvec_rows`` whatever its size: at 33-64 rows its limit bought
+        # nothing measurable on the default model (28M weights), and a verify step's logits
+        # then take the own product as far as a decode step's (bf16 speculation bit-exact).
+        module.lm_head.matvec_rows = kernels.matvec_rows
 
 
 def _attention_fits(m: Attention) -> bool:
