@@ -43,25 +43,38 @@ SHORT = {"all": "all own kernels", "layer": "own kernels op by op",
 ONLY_AVX512_BF16 = ("avx2", "widened")  # configurations that differ from "all" only there
 
 
-def row_limit(config: str, prefix: str = "rows") -> int | None:
-    """N of a configuration ``rowsN`` (the own product and the whole-layer kernel up to N
-    rows, torch's above) or, with ``prefix`` "large", ``largeN`` (the same for a layer's
-    products of ``LARGE_PRODUCT`` weights or more, ``CpuKernels.large_rows``)."""
-    n = config[len(prefix):]
-    return int(n) if config.startswith(prefix) and n.isdigit() else None
+LIMITS = {"rows": ("matvec_rows", "large_rows"), "large": ("large_rows",),
+          "layer": ("layer_rows",)}  # a limit configuration's prefix → the fields it sets
+
+
+def row_limits(config: str) -> dict[str, int] | None:
+    """The ``CpuKernels`` row limits a configuration sets, or None (not one): ``rowsN`` (the
+    own product up to N rows, torch's above), ``largeN`` (the same for a layer's products of
+    ``LARGE_PRODUCT`` weights or more), ``layerN`` (the whole-layer kernel up to N rows, its
+    products above their limits torch's), or several joined by "+" (``rows8+layer64``)."""
+    fields: dict[str, int] = {}
+    for part in config.split("+"):
+        prefix = part.rstrip("0123456789")
+        n = part[len(prefix):]
+        if prefix not in LIMITS or not n:
+            return None
+        fields.update(dict.fromkeys(LIMITS[prefix], int(n)))
+    return fields
 
 
 def label(config: str) -> str:
-    if (n := row_limit(config)) is not None:
-        return f"the own product and layer kernel up to {n} rows"
-    if (n := row_limit(config, "large")) is not None:
-        return f"a layer's products of 4M weights or more up to {n} rows"
+    if row_limits(config) is not None:
+        words = {"rows": "own product up to {} rows", "large": "large products up to {}",
+                 "layer": "layer kernel up to {} rows"}
+        parts = [(p.rstrip("0123456789"), p.lstrip("abcdefghijklmnopqrstuvwxyz"))
+                 for p in config.split("+")]
+        return ", ".join(words[prefix].format(n) for prefix, n in parts)
     return LABELS[config]
 
 
 def switch(model: Any, kernels: Any, off: str) -> None:
     """Own kernels everywhere except ``off`` ("all": none off; "avx2": the AVX2 product;
-    "rowsN": all, the own product's row limit N; "largeN": all, large products' limit N)."""
+    "rowsN", "largeN", "layerN" and their joins: all, with those row limits)."""
     from tlt_serve.kernels import (
         ATTENTION_QUERIES,
         MATVEC_ROWS_NATIVE_BF16,
@@ -71,7 +84,7 @@ def switch(model: Any, kernels: Any, off: str) -> None:
     )
     from tlt_serve.models.llama import set_cpu_kernels
 
-    limit, large = row_limit(off), row_limit(off, "large")
+    limits = row_limits(off)
     # op by op: the whole-layer kernel multiplies and attends with its own paths
     if off == "avx2":
         kernels = replace(kernels, matvec=matvec_avx2(), matvec_rows=MATVEC_ROWS_NATIVE_BF16,
@@ -81,12 +94,9 @@ def switch(model: Any, kernels: Any, off: str) -> None:
                           attention_queries=ATTENTION_QUERIES, layer=None)
     elif off == INVARIANT:
         kernels = batch_invariant(kernels)
-    elif limit is not None:
-        kernels = replace(kernels, matvec_rows=limit, large_rows=limit)
-    elif large is not None:
-        kernels = replace(kernels, large_rows=large)
-    keep = (off in ("all", INVARIANT, *ONLY_AVX512_BF16) or limit is not None
-            or large is not None)
+    elif limits is not None:
+        kernels = replace(kernels, **limits)
+    keep = off in ("all", INVARIANT, *ONLY_AVX512_BF16) or limits is not None
     set_cpu_kernels(model, kernels if keep else replace(kernels, **{off: None}))
 
 
@@ -166,8 +176,7 @@ def _engine(
     # other CPUs)
     configs = (*OFF, INVARIANT, *ONLY_AVX512_BF16) if own_avx512_bf16() else OFF
     if a.configs:
-        unknown = {c for c in a.configs if c not in configs and row_limit(c) is None
-                   and row_limit(c, "large") is None}
+        unknown = {c for c in a.configs if c not in configs and row_limits(c) is None}
         if unknown:
             raise SystemExit(f"--configs: {sorted(unknown)} not among {list(configs)} here")
         configs = ("all", *(c for c in a.configs if c != "all"))
@@ -257,7 +266,8 @@ def _ab_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", type=lambda s: s.split(","), default=None,
                    help="comma-separated configurations (all, layer, matvec, norm, attention, "
                         "invariant, rowsN: the own product's row limit N; largeN: the same "
-                        "for a layer's products of 4M weights or more; "
+                        "for a layer's products of 4M weights or more; layerN: the "
+                        "whole-layer kernel's; joined by +: several; "
                         "avx2, widened with AVX512-BF16); default every one")
 
 

@@ -241,9 +241,9 @@ def test_own_product_takes_at_most_matvec_rows_rows_and_torch_the_rest() -> None
 
 def test_products_of_many_weights_take_their_own_row_limit(tiny_model_dir) -> None:
     """A layer's product of LARGE_PRODUCT weights or more gets ``large_rows``, the others and
-    the head ``matvec_rows``; a layer's whole-layer kernel takes its products' smallest
-    limit."""
-    kernels = replace(own_kernels(), matvec_rows=48, large_rows=16)
+    the head ``matvec_rows``; a layer's whole-layer kernel takes ``layer_rows``, and at least
+    its products' smallest limit, each product its own limit inside it."""
+    kernels = replace(own_kernels(), matvec_rows=48, large_rows=16, layer_rows=8)
     big, small = Linear(64, LARGE_PRODUCT // 64), Linear(64, 48)
     assert big.weight.numel() == LARGE_PRODUCT
     set_cpu_kernels(big, kernels)
@@ -261,6 +261,9 @@ def test_products_of_many_weights_take_their_own_row_limit(tiny_model_dir) -> No
         torch.zeros(64, LARGE_PRODUCT // 64, dtype=torch.bfloat16), requires_grad=False)
     set_cpu_kernels(model, kernels)
     assert layer.kernel_rows == 16 and layer.mlp.down_proj.matvec_rows == 16
+    assert layer.product_rows == [48, 48, 48, 16]  # qkv, o, gate_up, down
+    set_cpu_kernels(model, replace(kernels, layer_rows=200))
+    assert layer.kernel_rows == 200 and layer.product_rows == [48, 48, 48, 16]
 
 
 def test_bf16_rms_norm_kernel_is_hf_order() -> None:
@@ -510,7 +513,8 @@ def test_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> None:
 
 
 @torch.inference_mode()
-def test_whole_layer_kernel_gives_the_op_by_op_layers_bits(tiny_model_dir) -> None:
+@pytest.mark.parametrize("own_rows", [MATVEC_ROWS, 4])
+def test_whole_layer_kernel_gives_the_op_by_op_layers_bits(tiny_model_dir, own_rows) -> None:
     """The same forwards through two copies of a bf16 model, one with the whole-layer kernel
     and one op by op (the same product, norm and attention kernels): a prefill of prompts of
     different lengths (padding tokens), a decode step, a packed verify step of ragged drafts.
@@ -521,8 +525,10 @@ def test_whole_layer_kernel_gives_the_op_by_op_layers_bits(tiny_model_dir) -> No
     models = [build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True) for _ in range(2)]
     kernels = models[0].kernels
     assert kernels is not None and kernels.layer is not None
-    # every step's rows, on any host
-    kernels = replace(kernels, matvec_rows=MATVEC_ROWS, large_rows=MATVEC_ROWS)
+    # every step's rows, on any host; with a limit of 4 the 6-token verify step and the
+    # prefill multiply through torch's product inside the kernel, as op by op
+    kernels = replace(kernels, matvec_rows=own_rows, large_rows=own_rows,
+                      layer_rows=MATVEC_ROWS)
     set_cpu_kernels(models[0], kernels)
     set_cpu_kernels(models[1], replace(kernels, layer=None))
     layers = [m for m in models[0].modules() if isinstance(m, DecoderLayer)]

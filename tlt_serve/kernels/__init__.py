@@ -85,6 +85,9 @@ MATVEC_ROWS_AVX512_BF16 = 64
 MATVEC_ROWS_AMX = 32
 LARGE_PRODUCT = 1 << 22  # weights
 MATVEC_ROWS_LARGE = 32
+# Most rows the whole-layer kernel takes where torch's bf16 GEMM runs on AMX tiles: above
+# the own product's limit its products are torch's, the ~35 ops around them still one call.
+LAYER_ROWS_AMX = 256
 # Most query tokens per row the own attention takes; longer rows (prefill) go to torch's SDPA,
 # which tiles them. The own attention computes each (query, KV head) alone over exactly the
 # keys it sees, its rows' keys and values staying in cache for the next query. With the
@@ -114,6 +117,9 @@ class CpuKernels:
     attention: RowAttention | None  # query tokens over their rows' cached keys
     matvec_rows: int = MATVEC_ROWS  # products of more rows use torch's
     large_rows: int = MATVEC_ROWS  # the same for a layer's products of LARGE_PRODUCT weights+
+    # Most rows the whole-layer kernel takes (at least its products' limits): its products of
+    # more rows than their limits run torch's GEMM inside it (hosts with bf16 GEMM units).
+    layer_rows: int = MATVEC_ROWS
     # rows of more query tokens use torch's SDPA: heads of DOT_HEAD_DIMS, and the others
     attention_queries: int = ATTENTION_QUERIES
     other_head_queries: int = ATTENTION_QUERIES
@@ -164,11 +170,12 @@ def cpu_kernels() -> CpuKernels | None:
     if own_avx512_bf16():
         rows = MATVEC_ROWS_AMX if amx_tiles() else MATVEC_ROWS_AVX512_BF16
         large = min(rows, MATVEC_ROWS_LARGE)
+        layer = LAYER_ROWS_AMX if amx_tiles() else rows
         queries = ATTENTION_QUERIES_AVX512_BF16
     else:
-        rows = large = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS
+        rows = large = layer = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS
     return CpuKernels(
-        module.gemv_bf16, module.rms_norm_bf16, module.attention_bf16, rows, large,
+        module.gemv_bf16, module.rms_norm_bf16, module.attention_bf16, rows, large, layer,
         attention_queries=queries, layer=module.decoder_layer_bf16,
         scores=module.log_softmax_rank,
     )
@@ -180,7 +187,7 @@ def batch_invariant(kernels: CpuKernels) -> CpuKernels:
     step holds (a row's sums run in one order, its attention over exactly its keys), so a
     token's logits depend on the tokens before it only. Prompt logprobs by torch's
     log-softmax, as the sampler computes generated tokens' (bit for bit the same)."""
-    return replace(kernels, matvec_rows=EVERY_ROW, large_rows=EVERY_ROW,
+    return replace(kernels, matvec_rows=EVERY_ROW, large_rows=EVERY_ROW, layer_rows=EVERY_ROW,
                    attention_queries=EVERY_ROW, other_head_queries=EVERY_ROW, scores=None)
 
 

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 static inline float bf16_to_f32(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -54,4 +55,5 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
                                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const torch::Tensor& rope, const torch::Tensor& slots,
                                  const torch::Tensor& lens, const torch::Tensor& bits,
-                                 int64_t row_lo, int64_t Q, int64_t num_heads, double scale);
+                                 int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
+                                 const std::vector<int64_t>& own_rows);

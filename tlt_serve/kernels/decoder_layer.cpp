@@ -1,8 +1,9 @@
-// One whole decoder layer (Llama family without biases or q/k norms) in one call, for the few
-// rows the own product takes (decode, chain and tree verification, drafter steps, short
-// prefills). At batch 1 a layer's
+// One whole decoder layer (Llama family without biases or q/k norms) in one call, for decode,
+// chain and tree verification, drafter steps and short prefills. At batch 1 a layer's
 // products take ~0.3 ms (they stream the weights from memory) and the ~35 torch ops around
-// them as much again in dispatch; here they are loops over a handful of rows.
+// them as much again in dispatch; here they are loops over the rows. Each product takes the
+// own kernel up to its row limit and torch's (oneDNN's bf16 GEMM, on AMX tiles where the CPU
+// has them) above it, as the op-by-op path's Linear does.
 // Every value is rounded as the op-by-op torch path rounds it (the same kernels for products,
 // norms and attention, torch's own silu, bf16 after each elementwise op), so the result is
 // the same bits (tests/test_model.py).
@@ -37,6 +38,12 @@ torch::Tensor add_bf16(const torch::Tensor& a, const torch::Tensor& b) {
   return out;
 }
 
+// x [R, K] bf16 × weight [N, K] → [R, N] bf16: the own product up to own_rows rows, else
+// torch's (what models.llama.Linear runs for a bf16 product of more rows).
+torch::Tensor product(const torch::Tensor& weight, const torch::Tensor& x, int64_t own_rows) {
+  return x.size(0) <= own_rows ? gemv_bf16_impl(weight, x, true, false) : at::linear(x, weight);
+}
+
 }  // namespace
 
 // x [R, H] bf16: the residual stream of R real tokens; in_norm [H] (empty: identity, a
@@ -44,8 +51,9 @@ torch::Tensor add_bf16(const torch::Tensor& a, const torch::Tensor& b) {
 // batch's [B, Q] layout; slots [R]: each token's slot (b * Q + j); lens [T]: keys each slot's
 // query sees (its own K/V go to column lens - 1 of cache row row_lo + b; 0: a padding token,
 // which writes nothing and attends to nothing); bits [T] or empty: tree nodes, as
-// attend_tokens reads them (a node's own K/V go to the column of its highest set bit). Returns the new residual stream [R, H] and
-// writes the tokens' K/V.
+// attend_tokens reads them (a node's own K/V go to the column of its highest set bit);
+// own_rows [4]: the most rows the own product takes for qkv, o, gate_up, down (more: torch's).
+// Returns the new residual stream [R, H] and writes the tokens' K/V.
 torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in_norm,
                                  const torch::Tensor& qkv_w, const torch::Tensor& o_w,
                                  const torch::Tensor& post_norm, const torch::Tensor& gate_up_w,
@@ -53,7 +61,9 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
                                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const torch::Tensor& rope, const torch::Tensor& slots_in,
                                  const torch::Tensor& lens_in, const torch::Tensor& bits_in,
-                                 int64_t row_lo, int64_t Q, int64_t num_heads, double scale) {
+                                 int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
+                                 const std::vector<int64_t>& own_rows) {
+  TORCH_CHECK(own_rows.size() == 4, "own_rows must hold 4 row limits (qkv, o, gate_up, down)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "x must be contiguous [R, H] bf16");
   const int64_t R = x.size(0), kvH = k_cache.size(1), D = k_cache.size(3), L = k_cache.size(2);
@@ -88,7 +98,7 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
 
   // Attention block: norm, qkv, rotary, K/V into the cache, attention, o, residual.
   const auto h = in_norm.numel() ? rms_norm_bf16(x, in_norm, eps) : x;
-  auto qkv = gemv_bf16_impl(qkv_w, h, true, false);  // [R, (heads + 2 kvH) D]
+  auto qkv = product(qkv_w, h, own_rows[0]).contiguous();  // [R, (heads + 2 kvH) D]
   uint16_t* qv = bf16_data(qkv);
   uint16_t* kc = bf16_data(k_cache);
   uint16_t* vc = bf16_data(v_cache);
@@ -108,11 +118,11 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
   attend_tokens(qv, width, kc, vc, rows.data(), keys.data(), bits.empty() ? nullptr : bits.data(),
                 R, kvH, G, D, L, scale,
                 bf16_data(attn), num_heads * D);
-  const auto x1 = add_bf16(x, gemv_bf16_impl(o_w, attn, true, false));
+  const auto x1 = add_bf16(x, product(o_w, attn, own_rows[1]));
 
   // MLP block: norm, gate/up, silu(gate) * up (torch's ops), down, residual.
-  const auto gu = gemv_bf16_impl(gate_up_w, rms_norm_bf16(x1, post_norm, eps), true, false);
+  const auto gu = product(gate_up_w, rms_norm_bf16(x1, post_norm, eps), own_rows[2]);
   const int64_t I = gu.size(1) / 2;
   const auto act = (at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I)).contiguous();
-  return add_bf16(x1, gemv_bf16_impl(down_w, act, true, false));
+  return add_bf16(x1, product(down_w, act, own_rows[3]));
 }

@@ -226,7 +226,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.kernel: LayerKernel | None = None  # the whole layer in one call (serving only)
-        self.kernel_rows = MATVEC_ROWS  # most tokens it takes (the own product's limit)
+        self.kernel_rows = MATVEC_ROWS  # most tokens it takes (``CpuKernels.layer_rows``)
+        # the most rows the own product takes for qkv, o, gate_up, down (more: torch's)
+        self.product_rows = [MATVEC_ROWS] * 4
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, batch: ForwardBatch, kv: KVLayer
@@ -241,7 +243,10 @@ class DecoderLayer(nn.Module):
         return (
             self.kernel is not None
             and _kernel_lens(batch, x, kv[0], self.self_attn.kernel_queries) is not None
-            and x.numel() // x.shape[-1] <= self.kernel_rows  # the own product's rows
+            and x.numel() // x.shape[-1] <= self.kernel_rows
+            # its torch products are bf16 GEMMs: none where Linear multiplies an fp32 copy
+            and (x.numel() // x.shape[-1] <= min(self.product_rows)
+                 or self.mlp.down_proj.weight_f32 is None)
             and self.post_attention_layernorm.weight.dtype == torch.bfloat16
         )
 
@@ -261,7 +266,7 @@ class DecoderLayer(nn.Module):
             mlp.gate_up_proj.weight, mlp.down_proj.weight, post.eps, kv[0], kv[1],
             rope.reshape(B * Q, 2, D), batch.slots, batch.kv_lens.view(-1), batch.kernel_bits,
             batch.row_lo, Q,
-            attn.cfg.num_heads, attn.scale,
+            attn.cfg.num_heads, attn.scale, self.product_rows,
         )  # [R, H]
         return out.view(x.shape)
 
@@ -366,8 +371,12 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
                 m.kernel_queries = kernels.attention_queries if dot else kernels.other_head_queries
         elif isinstance(m, DecoderLayer):
             m.kernel = None if kernels is None or not _layer_fits(m, kernels) else kernels.layer
-            m.kernel_rows = MATVEC_ROWS if kernels is None else min(
-                kernels.rows_for(p.weight) for p in m.modules() if isinstance(p, Linear))
+            products = (m.self_attn.qkv_proj, m.self_attn.o_proj, m.mlp.gate_up_proj,
+                        m.mlp.down_proj)
+            m.product_rows = [MATVEC_ROWS if kernels is None else kernels.rows_for(p.weight)
+                              for p in products]
+            m.kernel_rows = max(min(m.product_rows),
+                                MATVEC_ROWS if kernels is None else kernels.layer_rows)
     if isinstance(module, LlamaModel) and kernels is not None:
         # The head keeps ``matvec_rows`` whatever its size: at 33-64 rows its limit bought
         # nothing measurable on the default model (28M weights), and a verify step's logits
