@@ -70,7 +70,12 @@ TokenScores = Callable[[torch.Tensor, torch.Tensor],
 # (2 threads) plain decoding at 48 / 64 sequences ran x1.18 / x1.10 as fast with a limit of 64
 # as of 32, and a limit of 128 stayed within the host's spread of 64 (x0.97-1.09) at 48-128
 # (``benchmarks.kernels ab --configs rows32,rows128``, 3 rounds). Where the CPU has AMX tiles
-# torch's product runs on them and the own one does not: there the limit stays the Zen 4's.
+# torch's product runs on them and the own one does not: on a 2-vCPU Xeon with AMX the
+# default model's projections of a step took 14.3 vs 14.7 ms (own vs torch) at 8 rows, 24.9
+# vs 15.0 at 16, 94 vs 24 at 64 (``benchmarks.kernels rows``), and in one engine (the
+# whole-layer kernel taking every step, its products torch's above the limit) a limit of 8
+# decoded x1.11 / x1.52 as fast as one of 32 at 16 / 32 sequences, the same elsewhere
+# (``benchmarks.kernels ab --configs rows8,rows16``).
 # Products of many weights run at torch's GEMM rate sooner: on the Zen 5 EPYC (2 threads)
 # the own product of a 1.5B model's projections (Qwen2.5-1.5B's shapes, 3-28M weights each,
 # and its 233M-weight head) took x0.64 / 0.88 / 1.10 / 1.65 torch's time at 8 / 16 / 32 / 64
@@ -82,11 +87,15 @@ TokenScores = Callable[[torch.Tensor, torch.Tensor],
 MATVEC_ROWS = 128
 MATVEC_ROWS_NATIVE_BF16 = 8
 MATVEC_ROWS_AVX512_BF16 = 64
-MATVEC_ROWS_AMX = 32
+MATVEC_ROWS_AMX = 8
 LARGE_PRODUCT = 1 << 22  # weights
 MATVEC_ROWS_LARGE = 32
 # Most rows the whole-layer kernel takes where torch's bf16 GEMM runs on AMX tiles: above
 # the own product's limit its products are torch's, the ~35 ops around them still one call.
+# On the AMX Xeon: decoding x1.10 / x1.06 as fast at 64 / 128 sequences as with the layer
+# kernel up to 32 rows (``--configs layer32``); prefills of 64-2048 tokens within x0.93-1.07
+# of op by op, and a whole-prompt limit (4096) x1.08-1.12 slower at 4 x 256 and 1 x 1024
+# tokens (the kernel's elementwise loops run on one thread).
 LAYER_ROWS_AMX = 256
 # Most query tokens per row the own attention takes; longer rows (prefill) go to torch's SDPA,
 # which tiles them. The own attention computes each (query, KV head) alone over exactly the
