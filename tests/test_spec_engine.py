@@ -110,7 +110,7 @@ def test_output_and_logprobs_equal_plain_decoding(tiny_model_dir, drafters, name
 
 
 def test_bf16_with_the_own_kernels_is_bitwise_plain_decoding(
-    tiny_model_dir, drafters
+    tiny_model_dir, drafters, monkeypatch
 ) -> None:
     """In bf16 a token scored in a verify step (several tokens per row) gets exactly what a
     decode step (one per row) gives it: every per-token op is row-wise, and the own attention
@@ -119,13 +119,15 @@ def test_bf16_with_the_own_kernels_is_bitwise_plain_decoding(
     rows fit the own product — for trees too (a node sees its prefix and ancestors, what its
     token sees when decoded).
     (The AVX2 product sums 1, 2-4 and 5-8 rows in different orders: no such guarantee.)"""
-    from tlt_serve.kernels import own_avx512_bf16
+    import tlt_serve.kernels as kernels_module
 
-    kernels = own_kernels()
-    if not own_avx512_bf16():
+    own_kernels()
+    if not kernels_module.own_avx512_bf16():
         pytest.skip("this CPU has no AVX512-BF16: the own product is not row-invariant here")
-    if kernels.matvec_rows < 5 * 5:
-        pytest.skip("verify rows (5 requests x 5 tokens) exceed the own product's limit here")
+    # With AMX torch's GEMM takes steps of more than 8 rows: here the own product takes the
+    # verify steps' 25 rows (as it does on AVX512-BF16 hosts without AMX)
+    monkeypatch.setattr(kernels_module, "MATVEC_ROWS_AMX", 32)
+    assert kernels_module.cpu_kernels().matvec_rows >= 5 * 5  # type: ignore[union-attr]
     configs = spec_configs(drafters, max_batch=8)
     # A tree of 4 nodes + root per request: 25 verify rows, within the product's limit.
     configs["tree"] = replace(configs["tree"], tree_topk=2, verify_budget=4)

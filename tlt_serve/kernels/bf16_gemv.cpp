@@ -703,10 +703,13 @@ TLT_AVX512BF16 static inline __m256 key_dot8(const __m512i* qv, const uint16_t* 
 }
 
 // Scores of G query heads (Qh [G, D] bf16, unscaled) against keys col(j), j < n:
-// s[g * n + j] = scale * q_g . k_j.
+// s[g * n + j] = scale * q_g . k_j. While the first head streams the keys from memory, the
+// value rows the weighted sum reads next are fetched into L2 beside them (two streams in
+// flight instead of one after the other).
 template <int D32, typename Col>
-TLT_AVX512BF16 static void qk_scores_dot(const uint16_t* Qh, const uint16_t* K, int64_t n,
-                                         int64_t G, Col col, float scale, float* s) {
+TLT_AVX512BF16 static void qk_scores_dot(const uint16_t* Qh, const uint16_t* K,
+                                         const uint16_t* V, int64_t n, int64_t G, Col col,
+                                         float scale, float* s) {
   constexpr int64_t D = 32 * D32;
   const __m256 sc = _mm256_set1_ps(scale);
   for (int64_t g = 0; g < G; ++g) {
@@ -714,8 +717,13 @@ TLT_AVX512BF16 static void qk_scores_dot(const uint16_t* Qh, const uint16_t* K, 
     for (int b = 0; b < D32; ++b) qv[b] = _mm512_loadu_si512(Qh + g * D + 32 * b);
     float* sg = s + g * n;
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
+    for (; j + 8 <= n; j += 8) {
+      if (g == 0)
+        for (int kk = 0; kk < 8; ++kk)
+          for (int64_t d = 0; d < D; d += 32)  // 64-byte lines
+            _mm_prefetch(reinterpret_cast<const char*>(V + col(j + kk) * D + d), _MM_HINT_T1);
       _mm256_storeu_ps(sg + j, _mm256_mul_ps(key_dot8<D32>(qv, K, j, 8, col), sc));
+    }
     if (j < n) {
       alignas(32) float tail[8];
       _mm256_store_ps(tail, _mm256_mul_ps(key_dot8<D32>(qv, K, j, n - j, col), sc));
@@ -732,7 +740,7 @@ TLT_AVX512BF16 static void attend_head_dot(const uint16_t* Qh, const uint16_t* K
                                            Col col, std::vector<float>& scores, uint16_t* Ot) {
   constexpr int64_t D = 16 * D16, most = 24 / D16;
   scores.resize(static_cast<size_t>(G * n));
-  qk_scores_dot<D16 / 2>(Qh, K, n, G, col, scale, scores.data());
+  qk_scores_dot<D16 / 2>(Qh, K, V, n, G, col, scale, scores.data());
   for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * n, n);
   for (int64_t g0 = 0; g0 < G; g0 += most) {
     const float* s = scores.data() + g0 * n;
