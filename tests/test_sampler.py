@@ -7,7 +7,7 @@ import torch
 
 from tests.reference import filtered_probs
 from tlt_serve.engine.request import Request
-from tlt_serve.engine.sampler import CDF_BLOCK, Sampler, inverse_cdf
+from tlt_serve.engine.sampler import CDF_BLOCK, Sampler, greedy_tokens, inverse_cdf
 from tlt_serve.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -138,3 +138,17 @@ def test_the_blocked_inverse_cdf_is_the_full_one(vocab: int) -> None:
     edge[:, CDF_BLOCK - 5] = 0.5
     top = torch.tensor([1 - 1e-12, 0.0], dtype=torch.float64)
     assert inverse_cdf(edge, top).tolist() == [CDF_BLOCK - 5, 3]
+
+
+def test_greedy_tokens_pick_what_argmax_picks() -> None:
+    """Ties to the first, a NaN as the largest, rows of -inf, 2-D and 3-D logits: the same
+    index as torch's argmax."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        x = torch.randint(0, 4, (3, 16, 300), generator=g).float()  # many ties
+        if trial % 3 == 0:
+            x[torch.rand(x.shape, generator=g) < 0.01] = float("nan")
+        if trial % 5 == 0:
+            x[1] = float("-inf")
+        assert torch.equal(greedy_tokens(x), x.argmax(dim=-1)), trial
+        assert torch.equal(greedy_tokens(x[0]), x[0].argmax(dim=-1)), trial

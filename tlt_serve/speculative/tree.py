@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tlt_serve.engine.draft_tree import DraftTree
+from tlt_serve.engine.sampler import greedy_tokens
 from tlt_serve.sampling_params import SamplingParams
 from tlt_serve.speculative.verify import VerifyResult, drawer, row_generator, target_logprobs
 
@@ -47,7 +48,7 @@ def verify_tree(
     is done only at the nodes the walk reaches.
     """
     greedy = [b for b, p in enumerate(params) if p.greedy]
-    argmax = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True)) if greedy \
+    argmax = dict(zip(greedy, greedy_tokens(logits[greedy]).tolist(), strict=True)) if greedy \
         else {}
     paths, tokens = [], []
     for b, tree in enumerate(trees):

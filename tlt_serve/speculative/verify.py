@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt_serve.engine.sampler import apply_filters, inverse_cdf, top_logprobs_of
+from tlt_serve.engine.sampler import apply_filters, greedy_tokens, inverse_cdf, top_logprobs_of
 from tlt_serve.sampling_params import SamplingParams
 
 
@@ -117,7 +117,7 @@ def verify_chain(
     greedy = [b for b in range(B) if params[b].greedy]
     sampled = [b for b in range(B) if not params[b].greedy]
     if greedy:
-        argmax = logits[greedy].argmax(dim=-1).tolist()  # [G, K+1]
+        argmax = greedy_tokens(logits[greedy]).tolist()  # [G, K+1]
         for b, best in zip(greedy, argmax, strict=True):
             counts[b], finals[b] = follow(chains[b], best.__getitem__)
     if sampled and drafts.draft_probs is None:
