@@ -94,7 +94,7 @@ MATVEC_ROWS_LARGE = 32
 # the own product's limit its products are torch's, the ~35 ops around them still one call.
 # On the AMX Xeon: decoding x1.10 / x1.06 as fast at 64 / 128 sequences as with the layer
 # kernel up to 32 rows (``--configs layer32``); prefills of 64-2048 tokens within x0.93-1.07
-# of op by op, and a whole-prompt limit (4096) x1.08-1.12 slower at 4 x 256 and 1 x 1024
+# of op by op, and a whole-prompt limit (4096) x1.06-1.10 slower at 1 x 1024 and 4 x 256
 # tokens (the kernel's elementwise loops run on one thread).
 LAYER_ROWS_AMX = 256
 # Most query tokens per row the own attention takes; longer rows (prefill) go to torch's SDPA,
