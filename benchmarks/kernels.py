@@ -43,33 +43,39 @@ SHORT = {"all": "all own kernels", "layer": "own kernels op by op",
 ONLY_AVX512_BF16 = ("avx2", "widened")  # configurations that differ from "all" only there
 
 
-LIMITS = {"rows": ("matvec_rows", "large_rows"), "large": ("large_rows",),
-          "layer": ("layer_rows",)}  # a limit configuration's prefix → the fields it sets
+# a limit configuration's prefix → the ``CpuKernels`` fields it sets, and its words
+LIMITS = {"rows": (("matvec_rows", "large_rows"), "own product up to {} rows"),
+          "large": (("large_rows",), "large products up to {} rows"),
+          "layer": (("layer_rows",), "layer kernel up to {} rows")}
+
+
+def _limit_parts(config: str) -> list[tuple[str, int]] | None:
+    """(prefix, N) of each part of a limit configuration: ``rowsN`` (the own product up to N
+    rows, torch's above), ``largeN`` (the same for a layer's products of ``LARGE_PRODUCT``
+    weights or more), ``layerN`` (the whole-layer kernel up to N rows, its products above
+    their limits torch's), or several joined by "+" (``rows8+layer64``); None: not one."""
+    parts = []
+    for part in config.split("+"):
+        prefix = part.rstrip("0123456789")
+        if prefix not in LIMITS or prefix == part:
+            return None
+        parts.append((prefix, int(part[len(prefix):])))
+    return parts
 
 
 def row_limits(config: str) -> dict[str, int] | None:
-    """The ``CpuKernels`` row limits a configuration sets, or None (not one): ``rowsN`` (the
-    own product up to N rows, torch's above), ``largeN`` (the same for a layer's products of
-    ``LARGE_PRODUCT`` weights or more), ``layerN`` (the whole-layer kernel up to N rows, its
-    products above their limits torch's), or several joined by "+" (``rows8+layer64``)."""
-    fields: dict[str, int] = {}
-    for part in config.split("+"):
-        prefix = part.rstrip("0123456789")
-        n = part[len(prefix):]
-        if prefix not in LIMITS or not n:
-            return None
-        fields.update(dict.fromkeys(LIMITS[prefix], int(n)))
-    return fields
+    """The ``CpuKernels`` row limits a configuration sets, or None (not a limit one)."""
+    parts = _limit_parts(config)
+    if parts is None:
+        return None
+    return {field: n for prefix, n in parts for field in LIMITS[prefix][0]}
 
 
 def label(config: str) -> str:
-    if row_limits(config) is not None:
-        words = {"rows": "own product up to {} rows", "large": "large products up to {}",
-                 "layer": "layer kernel up to {} rows"}
-        parts = [(p.rstrip("0123456789"), p.lstrip("abcdefghijklmnopqrstuvwxyz"))
-                 for p in config.split("+")]
-        return ", ".join(words[prefix].format(n) for prefix, n in parts)
-    return LABELS[config]
+    parts = _limit_parts(config)
+    if parts is None:
+        return LABELS[config]
+    return ", ".join(LIMITS[prefix][1].format(n) for prefix, n in parts)
 
 
 def switch(model: Any, kernels: Any, off: str) -> None:

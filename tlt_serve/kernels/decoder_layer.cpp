@@ -98,7 +98,7 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
 
   // Attention block: norm, qkv, rotary, K/V into the cache, attention, o, residual.
   const auto h = in_norm.numel() ? rms_norm_bf16(x, in_norm, eps) : x;
-  auto qkv = product(qkv_w, h, own_rows[0]).contiguous();  // [R, (heads + 2 kvH) D]
+  auto qkv = product(qkv_w, h, own_rows[0]);  // [R, (heads + 2 kvH) D]
   uint16_t* qv = bf16_data(qkv);
   uint16_t* kc = bf16_data(k_cache);
   uint16_t* vc = bf16_data(v_cache);

@@ -240,13 +240,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _kernel_fits(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer) -> bool:
+        rows = x.numel() // x.shape[-1]
         return (
             self.kernel is not None
             and _kernel_lens(batch, x, kv[0], self.self_attn.kernel_queries) is not None
-            and x.numel() // x.shape[-1] <= self.kernel_rows
+            and rows <= self.kernel_rows
             # its torch products are bf16 GEMMs: none where Linear multiplies an fp32 copy
-            and (x.numel() // x.shape[-1] <= min(self.product_rows)
-                 or self.mlp.down_proj.weight_f32 is None)
+            and (rows <= min(self.product_rows) or self.mlp.down_proj.weight_f32 is None)
             and self.post_attention_layernorm.weight.dtype == torch.bfloat16
         )
 
