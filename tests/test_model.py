@@ -16,6 +16,8 @@ from tlt_serve.kernels import (
     attention_avx2,
     attention_widened,
     matvec_avx2,
+    matvec_dot,
+    own_amx,
     own_avx512,
     own_avx512_bf16,
 )
@@ -215,6 +217,29 @@ def test_avx512_bf16_product_of_a_row_does_not_depend_on_the_other_rows() -> Non
         # the AVX2 path (bf16 rows widened) is the other summation order of the same products
         torch.testing.assert_close(avx2(w, x), alone, atol=1e-4 * k**0.5, rtol=1e-5)
         assert torch.equal(avx2(w, x), matvec(w, x.float()))
+
+
+def test_amx_product_of_a_row_does_not_depend_on_the_other_rows() -> None:
+    """On AMX tiles a row's products are summed the same way whatever the batch: rows alone,
+    rows in the input tiles' padding (1, 17, 31 rows), past one work item's 128 rows and
+    beside any others give the same bits; bf16 out is the fp32 result rounded once; the
+    values are the dot-product path's up to summation order. Weights with K not a multiple
+    of 32 or N not of 16 take the dot products."""
+    own_kernels()
+    if not own_amx():
+        pytest.skip("no AMX tiles for this process: the own product takes the dot products")
+    matvec, dot = own_kernels().matvec, matvec_dot()
+    assert dot is not None
+    g = torch.Generator().manual_seed(3)
+    for n, k in [(48, 64), (960, 576), (576, 1536), (16, 32), (200, 576), (64, 40)]:
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(300, k, generator=g).bfloat16()
+        full = matvec(w, x)  # [300, n] fp32
+        torch.testing.assert_close(full, dot(w, x), atol=2e-5 * k**0.5, rtol=1e-5)
+        assert torch.equal(matvec(w, x, True), full.bfloat16())
+        for lo, hi in [(0, 1), (5, 22), (3, 34), (100, 229), (299, 300)]:
+            assert torch.equal(matvec(w, x[lo:hi]), full[lo:hi]), (n, k, lo, hi)
+        assert torch.equal(matvec(w, x[7]), full[7])  # one row as a vector
 
 
 def test_own_product_takes_at_most_matvec_rows_rows_and_torch_the_rest() -> None:

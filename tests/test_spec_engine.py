@@ -124,8 +124,8 @@ def test_bf16_with_the_own_kernels_is_bitwise_plain_decoding(
     own_kernels()
     if not kernels_module.own_avx512_bf16():
         pytest.skip("this CPU has no AVX512-BF16: the own product is not row-invariant here")
-    # With AMX torch's GEMM takes steps of more than 8 rows: here the own product takes the
-    # verify steps' 25 rows (as it does on AVX512-BF16 hosts without AMX)
+    # Where the own product cannot use AMX tiles that torch's GEMM uses, torch's takes steps of
+    # more than 8 rows: here the own product takes the verify steps' 25 rows
     monkeypatch.setattr(kernels_module, "MATVEC_ROWS_AMX", 32)
     assert kernels_module.cpu_kernels().matvec_rows >= 5 * 5  # type: ignore[union-attr]
     configs = spec_configs(drafters, max_batch=8)

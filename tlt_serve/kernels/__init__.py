@@ -1,7 +1,8 @@
 """Optional CPU kernels, compiled on first use with the machine's C++ compiler.
 
 ``cpu_kernels()`` returns the kernels of ``bf16_gemv.cpp`` (AVX2; the product of bf16 rows
-and the attention's scores take AVX512-BF16 dot products where the CPU has them): the bf16
+and the attention's scores take AVX512-BF16 dot products where the CPU has them, and the
+product AMX tiles where it has those, ``amx_product.cpp``): the bf16
 matrix × rows product, the RMSNorm, the attention of query tokens over their rows' caches
 (decode, verify, draft trees; prefills where the scores take dot products), all of them as one
 whole decoder layer (``decoder_layer.cpp``), and the log-softmax parts and rank of scored
@@ -75,7 +76,13 @@ TokenScores = Callable[[torch.Tensor, torch.Tensor],
 # vs 15.0 at 16, 94 vs 24 at 64 (``benchmarks.kernels rows``), and in one engine (the
 # whole-layer kernel taking every step, its products torch's above the limit) a limit of 8
 # decoded x1.11 / x1.52 as fast as one of 32 at 16 / 32 sequences, the same elsewhere
-# (``benchmarks.kernels ab --configs rows8,rows16``).
+# (``benchmarks.kernels ab --configs rows8,rows16``): MATVEC_ROWS_AMX, where the own product
+# cannot use the tiles. Where it can (amx_product.cpp), it beats torch's GEMM up to ~300 rows:
+# the default model's projections of a step took 9.6 / 9.8 / 15.3 / 25.1 / 40.3 ms at 1 / 16
+# / 64 / 128 / 256 rows against torch's 18.5 / 18.9 / 25.2 / 30.5 / 45.7, and 59 vs 50 at 384
+# (same Xeon, ad hoc). Where a product's packed rows outgrow the cache torch's wins sooner (a
+# 1.5B model's 1536 x 8960: 1.14 vs 1.67 ms at 64 rows, 3.31 vs 2.27 at 128): products of
+# LARGE_PRODUCT weights or more take it up to MATVEC_ROWS_LARGE_OWN_AMX rows.
 # Products of many weights run at torch's GEMM rate sooner: on the Zen 5 EPYC (2 threads)
 # the own product of a 1.5B model's projections (Qwen2.5-1.5B's shapes, 3-28M weights each,
 # and its 233M-weight head) took x0.64 / 0.88 / 1.10 / 1.65 torch's time at 8 / 16 / 32 / 64
@@ -88,6 +95,8 @@ MATVEC_ROWS = 128
 MATVEC_ROWS_NATIVE_BF16 = 8
 MATVEC_ROWS_AVX512_BF16 = 64
 MATVEC_ROWS_AMX = 8
+MATVEC_ROWS_OWN_AMX = 256
+MATVEC_ROWS_LARGE_OWN_AMX = 64
 LARGE_PRODUCT = 1 << 22  # weights
 MATVEC_ROWS_LARGE = 32
 # Most rows the whole-layer kernel takes where torch's bf16 GEMM runs on AMX tiles: above
@@ -112,7 +121,7 @@ ATTENTION_QUERIES = 16
 ATTENTION_QUERIES_AVX512_BF16 = 4096
 DOT_HEAD_DIMS = (64, 128, 256)  # head sizes whose scores take the dot products (others: 16)
 EVERY_ROW = 1 << 30  # a limit of rows or queries no step reaches (batch-invariant kernels)
-SOURCES = ("bf16_gemv.cpp", "decoder_layer.cpp", "bf16_kernels.h")
+SOURCES = ("bf16_gemv.cpp", "decoder_layer.cpp", "amx_product.cpp", "bf16_kernels.h")
 BUILD_WAIT_S = 600.0  # longest wait on another process's build of the same kernels
 
 
@@ -176,7 +185,10 @@ def cpu_kernels() -> CpuKernels | None:
     if module is None:
         return None
     queries = ATTENTION_QUERIES
-    if own_avx512_bf16():
+    if own_amx():
+        rows, large, layer = MATVEC_ROWS_OWN_AMX, MATVEC_ROWS_LARGE_OWN_AMX, LAYER_ROWS_AMX
+        queries = ATTENTION_QUERIES_AVX512_BF16
+    elif own_avx512_bf16():
         rows = MATVEC_ROWS_AMX if amx_tiles() else MATVEC_ROWS_AVX512_BF16
         large = min(rows, MATVEC_ROWS_LARGE)
         layer = LAYER_ROWS_AMX if amx_tiles() else rows
@@ -234,6 +246,20 @@ def own_avx512_bf16() -> bool:
     AVX512-BF16 dot products here."""
     module = _module()
     return module is not None and bool(module.avx512_bf16())
+
+
+def own_amx() -> bool:
+    """Whether the own product multiplies bf16 rows on AMX tiles here (the CPU has them and
+    the OS lets this process use them)."""
+    module = _module()
+    return module is not None and bool(module.amx())
+
+
+def matvec_dot() -> MatVec | None:
+    """The own product without AMX tiles (AVX512-BF16 dot products where the CPU has them):
+    what ``matvec`` is where the CPU has no tiles, kept for side-by-side comparisons."""
+    module = _module()
+    return None if module is None else module.gemv_bf16_dot
 
 
 def amx_tiles() -> bool:

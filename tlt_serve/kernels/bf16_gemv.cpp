@@ -292,7 +292,7 @@ static void over_tiles(Block block, const uint16_t* w, const X* xv, float* out, 
 // bf16 (out_bf16, round to nearest even as torch's cast): the same values as casting around
 // the call in Python, without two Python-level ops per product (a step at batch 1 has ~120).
 torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x_in, bool out_bf16,
-                             bool avx2_only) {
+                             int path) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
               "weight must be a contiguous 2-D bf16 tensor");
   TORCH_CHECK((x_in.dim() == 1 || x_in.dim() == 2) &&
@@ -302,11 +302,19 @@ torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x
   const int64_t M = x_in.dim() == 1 ? 1 : x_in.size(0);
   TORCH_CHECK(x_in.size(-1) == K, "x has ", x_in.size(-1), " columns, weight has ", K);
   TORCH_CHECK(M >= 1, "x must have at least one row");
-  const auto opts = x_in.options().dtype(at::kFloat);
-  auto y = x_in.dim() == 1 ? torch::empty({N}, opts) : torch::empty({M, N}, opts);
   const auto* w = bf16_data(weight);
+  const bool bf16_rows = path != kProductAvx2 && x_in.scalar_type() == at::kBFloat16;
+  const auto shape = x_in.dim() == 1 ? std::vector<int64_t>{N} : std::vector<int64_t>{M, N};
+  if (bf16_rows && path == kProductBest && amx_fits(N, K) && amx_ready()) {
+    const auto x = x_in.contiguous();
+    auto y = torch::empty(shape, x_in.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+    amx_product(w, bf16_data(x), out_bf16 ? nullptr : y.data_ptr<float>(),
+                out_bf16 ? bf16_data(y) : nullptr, M, N, K);
+    return y;
+  }
+  auto y = torch::empty(shape, x_in.options().dtype(at::kFloat));
   float* out = y.data_ptr<float>();
-  if (!avx2_only && x_in.scalar_type() == at::kBFloat16 && avx512_bf16()) {
+  if (bf16_rows && avx512_bf16()) {
     const auto x = x_in.contiguous();
     const auto* xv = bf16_data(x);
     over_tiles(rows_block_bf16, w, xv, out, M, N, K);
@@ -318,11 +326,15 @@ torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x
 }
 
 torch::Tensor gemv_bf16(const torch::Tensor& weight, const torch::Tensor& x, bool out_bf16) {
-  return gemv_bf16_impl(weight, x, out_bf16, false);
+  return gemv_bf16_impl(weight, x, out_bf16, kProductBest);
+}
+
+torch::Tensor gemv_bf16_dot(const torch::Tensor& weight, const torch::Tensor& x, bool out_bf16) {
+  return gemv_bf16_impl(weight, x, out_bf16, kProductDot);
 }
 
 torch::Tensor gemv_bf16_avx2(const torch::Tensor& weight, const torch::Tensor& x, bool out_bf16) {
-  return gemv_bf16_impl(weight, x, out_bf16, true);
+  return gemv_bf16_impl(weight, x, out_bf16, kProductAvx2);
 }
 
 
@@ -926,6 +938,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 matrix × fp32 or bf16 rows, fp32 accumulation (AVX512-BF16 for bf16 rows where the "
         "CPU has it, else AVX2)",
         pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("out_bf16") = false);
+  m.def("gemv_bf16_dot", &gemv_bf16_dot,
+        "gemv_bf16 without AMX tiles (AVX512-BF16 where the CPU has it; for comparisons)",
+        pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("out_bf16") = false);
+  m.def("amx", &amx_ready, "whether gemv_bf16 multiplies bf16 rows on AMX tiles here");
   m.def("gemv_bf16_avx2", &gemv_bf16_avx2, "gemv_bf16 on the AVX2 path only (for comparisons)",
         pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("out_bf16") = false);
   m.def("avx512", &avx512, "whether the attention with keys widened takes its AVX512 path");

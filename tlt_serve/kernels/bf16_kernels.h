@@ -26,9 +26,21 @@ static inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// Which path the product takes: the fastest this CPU has (AMX tiles for bf16 rows where the
+// shapes fit, else AVX512-BF16 dot products, else AVX2), the dot products without tiles, or
+// AVX2 only. The last two are kept for comparisons.
+constexpr int kProductBest = 0, kProductDot = 1, kProductAvx2 = 2;
 // bf16 weight [N, K] x rows [M, K] (fp32 or bf16) -> [M, N] fp32, or bf16 when out_bf16.
 torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x_in, bool out_bf16,
-                             bool avx2_only);
+                             int path);
+// AMX tiles (amx_product.cpp): whether this CPU has them and the OS lets this process use
+// them; whether a weight [N, K] fits their blocks; weight [N, K] x bf16 rows [M, K] -> [M, N]
+// at out (fp32) or, where out16 is given, at out16 (bf16, rounded once).
+bool amx_ready();
+bool avx512_bf16();  // bf16_gemv.cpp: whether the CPU has AVX512-BF16 (and AVX512F/BW)
+bool amx_fits(int64_t N, int64_t K);
+void amx_product(const uint16_t* w, const uint16_t* x, float* out, uint16_t* out16, int64_t M,
+                 int64_t N, int64_t K);
 // RMSNorm of bf16 rows in HF's rounding order.
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 // Which attention path attend_tokens takes: the fastest this CPU has (AVX512-BF16 dot products

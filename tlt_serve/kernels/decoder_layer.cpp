@@ -41,7 +41,7 @@ torch::Tensor add_bf16(const torch::Tensor& a, const torch::Tensor& b) {
 // x [R, K] bf16 × weight [N, K] → [R, N] bf16: the own product up to own_rows rows, else
 // torch's (what models.llama.Linear runs for a bf16 product of more rows).
 torch::Tensor product(const torch::Tensor& weight, const torch::Tensor& x, int64_t own_rows) {
-  return x.size(0) <= own_rows ? gemv_bf16_impl(weight, x, true, false) : at::linear(x, weight);
+  return x.size(0) <= own_rows ? gemv_bf16_impl(weight, x, true, kProductBest) : at::linear(x, weight);
 }
 
 }  // namespace
