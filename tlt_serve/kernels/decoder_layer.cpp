@@ -9,6 +9,7 @@
 // the same bits (tests/test_model.py).
 #include "bf16_kernels.h"
 
+#include <ATen/Parallel.h>
 #include <vector>
 
 namespace {
@@ -34,7 +35,9 @@ torch::Tensor add_bf16(const torch::Tensor& a, const torch::Tensor& b) {
   auto out = torch::empty_like(a);
   const uint16_t *av = bf16_data(a), *bv = bf16_data(b);
   uint16_t* ov = bf16_data(out);
-  for (int64_t i = 0; i < a.numel(); ++i) ov[i] = f32_to_bf16(bf16_to_f32(av[i]) + bf16_to_f32(bv[i]));
+  at::parallel_for(0, a.numel(), 1 << 14, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) ov[i] = f32_to_bf16(bf16_to_f32(av[i]) + bf16_to_f32(bv[i]));
+  });
   return out;
 }
 
@@ -103,17 +106,20 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
   uint16_t* kc = bf16_data(k_cache);
   uint16_t* vc = bf16_data(v_cache);
   const uint16_t* cs = bf16_data(rope);
-  for (int64_t t = 0; t < R; ++t) {
-    uint16_t* tok = qv + t * width;
-    const uint16_t* cos = cs + sv[t] * 2 * D;
-    for (int64_t hd = 0; hd < num_heads + kvH; ++hd) rotate(tok + hd * D, cos, cos + D, D);
-    const int64_t col = cols[static_cast<size_t>(t)], row = rows[static_cast<size_t>(t)];
-    for (int64_t hd = 0; hd < kvH && col >= 0; ++hd) {  // a padding token (no keys) writes none
-      const int64_t at = ((row * kvH + hd) * L + col) * D;
-      std::memcpy(kc + at, tok + (num_heads + hd) * D, D * sizeof(uint16_t));
-      std::memcpy(vc + at, tok + (num_heads + kvH + hd) * D, D * sizeof(uint16_t));
+  // Tokens write distinct cache columns: split over the threads from a few rows on.
+  at::parallel_for(0, R, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      uint16_t* tok = qv + t * width;
+      const uint16_t* cos = cs + sv[t] * 2 * D;
+      for (int64_t hd = 0; hd < num_heads + kvH; ++hd) rotate(tok + hd * D, cos, cos + D, D);
+      const int64_t col = cols[static_cast<size_t>(t)], row = rows[static_cast<size_t>(t)];
+      for (int64_t hd = 0; hd < kvH && col >= 0; ++hd) {  // a padding token writes no K/V
+        const int64_t at = ((row * kvH + hd) * L + col) * D;
+        std::memcpy(kc + at, tok + (num_heads + hd) * D, D * sizeof(uint16_t));
+        std::memcpy(vc + at, tok + (num_heads + kvH + hd) * D, D * sizeof(uint16_t));
+      }
     }
-  }
+  });
   auto attn = torch::empty({R, num_heads * D}, x.options());
   attend_tokens(qv, width, kc, vc, rows.data(), keys.data(), bits.empty() ? nullptr : bits.data(),
                 R, kvH, G, D, L, scale,
