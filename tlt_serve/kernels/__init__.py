@@ -185,13 +185,13 @@ def cpu_kernels() -> CpuKernels | None:
     if module is None:
         return None
     queries = ATTENTION_QUERIES
-    if own_amx():
-        rows, large, layer = MATVEC_ROWS_OWN_AMX, MATVEC_ROWS_LARGE_OWN_AMX, LAYER_ROWS_AMX
-        queries = ATTENTION_QUERIES_AVX512_BF16
-    elif own_avx512_bf16():
-        rows = MATVEC_ROWS_AMX if amx_tiles() else MATVEC_ROWS_AVX512_BF16
-        large = min(rows, MATVEC_ROWS_LARGE)
-        layer = LAYER_ROWS_AMX if amx_tiles() else rows
+    if own_avx512_bf16():  # (own AMX tiles imply it)
+        if own_amx():
+            rows, large, layer = MATVEC_ROWS_OWN_AMX, MATVEC_ROWS_LARGE_OWN_AMX, LAYER_ROWS_AMX
+        else:
+            rows = MATVEC_ROWS_AMX if amx_tiles() else MATVEC_ROWS_AVX512_BF16
+            large = min(rows, MATVEC_ROWS_LARGE)
+            layer = LAYER_ROWS_AMX if amx_tiles() else rows
         queries = ATTENTION_QUERIES_AVX512_BF16
     else:
         rows = large = layer = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS

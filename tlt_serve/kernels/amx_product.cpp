@@ -20,6 +20,7 @@
 
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <memory>
 
 #include "bf16_kernels.h"
 
@@ -107,8 +108,8 @@ TLT_AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t MB, uint
 
 // Work items [i0, i1): item i is 32 weight rows (i % NB) × up to 128 input rows (i / NB).
 TLT_AMX void product_items(const uint16_t* w, const uint16_t* xp, float* out, uint16_t* out16,
-                           int64_t M,
-                           int64_t N, int64_t K, int64_t MB, int64_t NB, int64_t i0, int64_t i1) {
+                           int64_t M, int64_t N, int64_t K, int64_t MB, int64_t NB, int64_t i0,
+                           int64_t i1) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
@@ -164,8 +165,8 @@ TLT_AMX void product_items(const uint16_t* w, const uint16_t* xp, float* out, ui
 }  // namespace
 
 bool amx_ready() {
-  static const bool ready =
-      cpu_has_amx_bf16() && avx512_bf16() && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  static const bool ready = cpu_has_amx_bf16() && avx512_bf16() &&
+                            syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return ready;
 }
 
@@ -174,10 +175,11 @@ bool amx_fits(int64_t N, int64_t K) { return K % 32 == 0 && N % 16 == 0; }
 void amx_product(const uint16_t* w, const uint16_t* x, float* out, uint16_t* out16, int64_t M,
                  int64_t N, int64_t K) {
   const int64_t MB = (M + 15) / 16, NB = (N + 31) / 32;
-  std::vector<uint16_t> xp(static_cast<size_t>(K / 32 * MB * 512));
-  pack_rows(x, M, K, MB, xp.data());
+  // Every element is written by pack_rows: no zero fill first (M x K x 2 bytes a product).
+  const std::unique_ptr<uint16_t[]> xp(new uint16_t[static_cast<size_t>(K / 32 * MB * 512)]);
+  pack_rows(x, M, K, MB, xp.get());
   const int64_t items = (MB + kChunkBlocks - 1) / kChunkBlocks * NB;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    product_items(w, xp.data(), out, out16, M, N, K, MB, NB, i0, i1);
+    product_items(w, xp.get(), out, out16, M, N, K, MB, NB, i0, i1);
   });
 }
