@@ -14,6 +14,7 @@ from tlt_serve.kernels import (
     LARGE_PRODUCT,
     CpuKernels,
     attention_avx2,
+    attention_dot,
     attention_widened,
     matvec_avx2,
     matvec_dot,
@@ -447,6 +448,39 @@ def test_attention_dot_product_scores_track_the_widened_path() -> None:
         batched = kernels.attention(q, k_cache, v_cache, 0, lens, none, D**-0.5)
         assert torch.equal(alone[0, 0], batched[1, -1]), (G, D)
     assert same > 0.99 * total  # fp32 sums in another order: bf16 outputs rarely differ
+
+
+def test_attention_scores_on_amx_tiles_track_the_dot_products() -> None:
+    """Where the process has AMX tiles the attention scores keys on them for head sizes 64
+    and 128 (other sizes keep the dot products, bit for bit): outputs within bf16 rounding of
+    the dot-product path, for rows of every key count around the tiles' 16 and 32 keys; a
+    query alone gets the bits it gets among others; a tree node whose visible keys are the
+    causal ones (gathered, not read in place) gets the causal query's bits."""
+    kernels = own_kernels()
+    if not own_amx():
+        pytest.skip("no AMX tiles for this process: the attention scores by dot products")
+    dot = attention_dot()
+    assert dot is not None and kernels.attention is not None
+    g = torch.Generator().manual_seed(6)
+    none = torch.empty(0, dtype=torch.long)
+    for G, D in [(3, 64), (7, 64), (16, 64), (4, 128), (2, 256)]:
+        kvH, L, Q = 2, 100, 50
+        k_cache = torch.randn(2, kvH, L, D, generator=g).bfloat16()
+        v_cache = torch.randn(2, kvH, L, D, generator=g).bfloat16()
+        q = torch.randn(2, Q, kvH, G, D, generator=g).bfloat16()
+        lens = torch.stack([torch.arange(1, Q + 1), torch.arange(L - Q + 1, L + 1)])
+        tiles = kernels.attention(q, k_cache, v_cache, 0, lens, none, D**-0.5)
+        ref = dot(q, k_cache, v_cache, 0, lens, none, D**-0.5)
+        if D == 256:
+            assert torch.equal(tiles, ref)
+        torch.testing.assert_close(tiles.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        alone = kernels.attention(q[1:, 7:8], k_cache, v_cache, 1, lens[1:, 7:8], none, D**-0.5)
+        assert torch.equal(alone[0, 0], tiles[1, 7]), (G, D)
+        # the last 3 of n keys as a tree node's ancestors and itself: columns n - 3 .. n - 1
+        node = torch.full((2 * Q,), 0b111)
+        gathered = kernels.attention(q, k_cache, v_cache, 0, lens.clamp(min=3), node, D**-0.5)
+        causal = kernels.attention(q, k_cache, v_cache, 0, lens.clamp(min=3), none, D**-0.5)
+        assert torch.equal(gathered, causal), (G, D)
 
 
 @torch.inference_mode()

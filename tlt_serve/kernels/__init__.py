@@ -235,6 +235,15 @@ def attention_widened() -> RowAttention | None:
     return None if module is None else module.attention_bf16_widened
 
 
+def attention_dot() -> RowAttention | None:
+    """The own attention without AMX tiles: its scores by AVX512-BF16 dot products where the
+    CPU has them (else as ``attention_widened``). Where the CPU has tiles, ``attention`` scores
+    keys on them for head sizes 64 and 128 (the same products, summed in another order); this
+    is kept for comparisons."""
+    module = _module()
+    return None if module is None else module.attention_bf16_dot
+
+
 def own_avx512() -> bool:
     """Whether the own attention takes its AVX512 path here."""
     module = _module()

@@ -24,20 +24,11 @@
 
 #include "bf16_kernels.h"
 
-#define TLT_AMX \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16,avx512vl")))
-
 namespace {
 
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an XSAVE feature
 constexpr long kXfeatureXtiledata = 18;     // the AMX tile data
 constexpr int64_t kChunkBlocks = 8;         // 16-row input blocks per work item (128 rows)
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 bool cpu_has_amx_bf16() {
   unsigned a, b, c, d;
@@ -110,12 +101,7 @@ TLT_AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t MB, uint
 TLT_AMX void product_items(const uint16_t* w, const uint16_t* xp, float* out, uint16_t* out16,
                            int64_t M, int64_t N, int64_t K, int64_t MB, int64_t NB, int64_t i0,
                            int64_t i1) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
+  amx_configure();
   alignas(64) float c[4][16][16];  // [weight half * 2 + row half][weight][row]
   const int64_t KB = K / 32;
   for (int64_t it = i0; it < i1; ++it) {
@@ -159,7 +145,7 @@ TLT_AMX void product_items(const uint16_t* w, const uint16_t* xp, float* out, ui
       }
     }
   }
-  _tile_release();
+  amx_release();
 }
 
 }  // namespace
@@ -169,6 +155,28 @@ bool amx_ready() {
                             syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return ready;
 }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-7 as 16 rows of 64 bytes. A constant in memory: GCC 12 does not count ldtilecfg as a
+// read of its operand and drops the stores that fill a local configuration.
+constexpr TileConfig sixteen_rows_of_64() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  return cfg;
+}
+constexpr TileConfig kTiles = sixteen_rows_of_64();
+
+TLT_AMX void amx_configure() { _tile_loadconfig(&kTiles); }
+
+TLT_AMX void amx_release() { _tile_release(); }
 
 bool amx_fits(int64_t N, int64_t K) { return K % 32 == 0 && N % 16 == 0; }
 

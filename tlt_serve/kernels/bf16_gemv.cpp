@@ -744,15 +744,100 @@ TLT_AVX512BF16 static void qk_scores_dot(const uint16_t* Qh, const uint16_t* K,
   }
 }
 
-// All G heads of one (query token, KV head): dot-product scores, then the widening path's
-// softmax and weighted sum (values and weights in fp32), heads in register groups.
-template <int D16, typename Col>
+// ---- AMX: the scores on tiles (tdpbf16ps), where the CPU has them and D is 64 or 128.
+// An A tile is 16 keys x 32 of their columns, read in place from the cache (row stride D); a B
+// tile the G query heads' same 32 columns as pairs (16 pairs x 16 heads, heads past G zero); a
+// C tile 16 keys x 16 heads. A key's score is the sum of its D / 32 blocks' dot products, each
+// block's 16 pair products summed by the tile unit, in one order whichever keys share the tile:
+// a token gets the same scores alone or batched, decoded, verified, as a tree node or in a
+// prefill. The products are the exact fp32 products of the other paths; only the summation
+// order differs from the dot-product path (outputs agree within bf16 rounding, tested).
+// The dot-product path spends ~8 vector instructions per key and head on the scores, the
+// CPU's two vector ports its bound; the tile unit takes 16 keys x every head per instruction.
+// Tiles: 0-1 C (two blocks of 16 keys), 2-3 A, 4.. B (one per 32 columns).
+// Block KB of 32 columns of both key tiles (a[1] may be absent) against B tile BT (tile
+// numbers must be literals: the instructions encode them).
+#define TLT_AMX_KEY_BLOCK(KB, BT)                    \
+  do {                                               \
+    _tile_loadd(2, a[0] + 32 * (KB), D * 2);         \
+    _tile_dpbf16ps(0, 2, BT);                        \
+    if (a[1] != nullptr) {                           \
+      _tile_loadd(3, a[1] + 32 * (KB), D * 2);       \
+      _tile_dpbf16ps(1, 3, BT);                      \
+    }                                                \
+  } while (0)
+
+template <int D32, typename Col>
+TLT_AMX static void qk_scores_amx(const uint16_t* Qh, const uint16_t* K, const uint16_t* V,
+                                  int64_t n, int64_t G, Col col, float scale, float* s) {
+  static_assert(D32 == 2 || D32 == 4, "the tiles take head sizes 64 and 128");
+  constexpr int64_t D = 32 * D32;
+  alignas(64) uint32_t qp[D32][16][16] = {};  // [block][pair][head]: bf16 pairs as 32 bits
+  for (int64_t g = 0; g < G; ++g) {
+    const auto* q = reinterpret_cast<const uint32_t*>(Qh + g * D);
+    for (int kb = 0; kb < D32; ++kb)
+      for (int p = 0; p < 16; ++p) qp[kb][p][g] = q[kb * 16 + p];
+  }
+  _tile_loadd(4, qp[0], 64);
+  _tile_loadd(5, qp[1], 64);
+  if constexpr (D32 == 4) {
+    _tile_loadd(6, qp[2], 64);
+    _tile_loadd(7, qp[3], 64);
+  }
+  alignas(64) float c[2][16][16];  // [block][key][head]
+  alignas(64) uint16_t pad[2][16][D];  // keys that are not 16 consecutive cache rows
+  const __m512i heads = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
+                                                            4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < n; j += 32) {
+    const uint16_t* a[2] = {nullptr, nullptr};
+    int64_t m[2];
+    for (int t = 0; t < 2; ++t) {
+      const int64_t jt = j + 16 * t;
+      m[t] = std::clamp<int64_t>(n - jt, 0, 16);
+      if (m[t] == 0) continue;
+      if (m[t] == 16 && col(jt + 15) == col(jt) + 15) {  // in place
+        a[t] = K + col(jt) * D;
+      } else {  // the last keys, or a tree node's gathered ones; rows past them zero
+        for (int64_t i = 0; i < 16; ++i)
+          if (i < m[t]) std::memcpy(pad[t][i], K + col(jt + i) * D, D * 2);
+          else std::memset(pad[t][i], 0, D * 2);
+        a[t] = pad[t][0];
+      }
+      for (int64_t i = 0; i < m[t]; ++i)  // the value rows the weighted sum reads next
+        for (int64_t d = 0; d < D; d += 32)
+          _mm_prefetch(reinterpret_cast<const char*>(V + col(jt + i) * D + d), _MM_HINT_T1);
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    TLT_AMX_KEY_BLOCK(0, 4);
+    TLT_AMX_KEY_BLOCK(1, 5);
+    if constexpr (D32 == 4) {
+      TLT_AMX_KEY_BLOCK(2, 6);
+      TLT_AMX_KEY_BLOCK(3, 7);
+    }
+    _tile_stored(0, c[0], 64);
+    if (a[1] != nullptr) _tile_stored(1, c[1], 64);
+    for (int t = 0; t < 2 && m[t] > 0; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(heads, &c[t][0][g], 4), sc);
+        _mm512_mask_storeu_ps(s + g * n + j + 16 * t, static_cast<__mmask16>((1u << m[t]) - 1), v);
+      }
+  }
+}
+
+// All G heads of one (query token, KV head): dot-product scores (on tiles where tiles), then
+// the widening path's softmax and weighted sum (values and weights in fp32), heads in register
+// groups.
+template <int D16, bool tiles, typename Col>
 TLT_AVX512BF16 static void attend_head_dot(const uint16_t* Qh, const uint16_t* K,
                                            const uint16_t* V, int64_t n, int64_t G, float scale,
                                            Col col, std::vector<float>& scores, uint16_t* Ot) {
   constexpr int64_t D = 16 * D16, most = 24 / D16;
   scores.resize(static_cast<size_t>(G * n));
-  qk_scores_dot<D16 / 2>(Qh, K, V, n, G, col, scale, scores.data());
+  if constexpr (tiles) qk_scores_amx<D16 / 2>(Qh, K, V, n, G, col, scale, scores.data());
+  else qk_scores_dot<D16 / 2>(Qh, K, V, n, G, col, scale, scores.data());
   for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * n, n);
   for (int64_t g0 = 0; g0 < G; g0 += most) {
     const float* s = scores.data() + g0 * n;
@@ -769,13 +854,15 @@ TLT_AVX512BF16 static void attend_head_dot(const uint16_t* Qh, const uint16_t* K
 }
 
 // How a call's (query token, KV head) pairs are computed, decided once per call from the path
-// asked for (kAttention*), the CPU and the head size: AVX512-BF16 dot-product scores, keys
-// widened on AVX512 (the AVX2 path's bits), or the AVX2 path.
-enum class HeadKernel { dot, widened512, avx2 };
+// asked for (kAttention*), the CPU and the head size: scores on AMX tiles, AVX512-BF16
+// dot-product scores, keys widened on AVX512 (the AVX2 path's bits), or the AVX2 path.
+enum class HeadKernel { tiles, dot, widened512, avx2 };
 
 static HeadKernel head_kernel(int path, int64_t D) {
   const bool sized = D == 64 || D == 128 || D == 256;
-  if (path == kAttentionBest && sized && avx512_bf16() && avx512()) return HeadKernel::dot;
+  if (path == kAttentionBest && (D == 64 || D == 128) && amx_ready()) return HeadKernel::tiles;
+  if ((path == kAttentionBest || path == kAttentionDot) && sized && avx512_bf16() && avx512())
+    return HeadKernel::dot;
   if (path != kAttentionAvx2 && sized && avx512()) return HeadKernel::widened512;
   return HeadKernel::avx2;
 }
@@ -787,10 +874,14 @@ static void attend_head_any(HeadKernel how, const uint16_t* Qh, const float (*qf
                             const uint16_t* K, const uint16_t* V, int64_t n, int64_t G,
                             int64_t D, float scale, Col col, std::vector<float>& scores,
                             uint16_t* Ot) {
+  if (how == HeadKernel::tiles) {
+    if (D == 64) return attend_head_dot<4, true>(Qh, K, V, n, G, scale, col, scores, Ot);
+    return attend_head_dot<8, true>(Qh, K, V, n, G, scale, col, scores, Ot);
+  }
   if (how == HeadKernel::dot) {
-    if (D == 64) return attend_head_dot<4>(Qh, K, V, n, G, scale, col, scores, Ot);
-    if (D == 128) return attend_head_dot<8>(Qh, K, V, n, G, scale, col, scores, Ot);
-    return attend_head_dot<16>(Qh, K, V, n, G, scale, col, scores, Ot);
+    if (D == 64) return attend_head_dot<4, false>(Qh, K, V, n, G, scale, col, scores, Ot);
+    if (D == 128) return attend_head_dot<8, false>(Qh, K, V, n, G, scale, col, scores, Ot);
+    return attend_head_dot<16, false>(Qh, K, V, n, G, scale, col, scores, Ot);
   }
   if (how == HeadKernel::widened512) {
     if (D == 64) return attend_head_avx512<4>(qf, K, V, n, G, col, scores, Ot);
@@ -834,6 +925,7 @@ void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, con
     s = e;
   }
   at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
+    if (how == HeadKernel::tiles) amx_configure();
     std::vector<float> scores;
     float qf[16][256];
     int64_t extra[64];
@@ -861,6 +953,7 @@ void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, con
         if (b >> i & 1u) extra[m++] = n0 + i;
       attend_head_any(how, Qh, qf, K, V, n, G, D, fscale, Gathered{n0, extra}, scores, Ot);
     }
+    if (how == HeadKernel::tiles) amx_release();
   });
 }
 
@@ -919,6 +1012,13 @@ torch::Tensor attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cach
   return attention_impl(q, k_cache, v_cache, row_lo, lens, bits, scale, kAttentionBest);
 }
 
+torch::Tensor attention_bf16_dot(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                 const torch::Tensor& v_cache, int64_t row_lo,
+                                 const torch::Tensor& lens, const torch::Tensor& bits,
+                                 double scale) {
+  return attention_impl(q, k_cache, v_cache, row_lo, lens, bits, scale, kAttentionDot);
+}
+
 torch::Tensor attention_bf16_widened(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, int64_t row_lo,
                                      const torch::Tensor& lens, const torch::Tensor& bits,
@@ -952,6 +1052,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per row of fp32 logits: its maximum, log(sum(exp(x - max))) and its target's rank");
   m.def("attention_bf16", &attention_bf16,
         "attention of query tokens over their rows' bf16 caches (decode, verify, trees, prefills)");
+  m.def("attention_bf16_dot", &attention_bf16_dot,
+        "attention_bf16 without AMX tiles (AVX512-BF16 dot-product scores where the CPU has "
+        "them; for comparisons)");
   m.def("attention_bf16_widened", &attention_bf16_widened,
         "attention_bf16 with keys widened to fp32 (AVX512 where the CPU has it, else AVX2): "
         "the AVX2 path's bits; for comparisons");

@@ -36,17 +36,24 @@ torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x
 // AMX tiles (amx_product.cpp): whether this CPU has them and the OS lets this process use
 // them; whether a weight [N, K] fits their blocks; weight [N, K] x bf16 rows [M, K] -> [M, N]
 // at out (fp32) or, where out16 is given, at out16 (bf16, rounded once).
+#define TLT_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16,avx512vl")))
 bool amx_ready();
+// The calling thread's eight tiles as 16 rows of 64 bytes (what both the product and the
+// attention's scores use), and their release when the thread is done with them.
+void amx_configure();
+void amx_release();
 bool avx512_bf16();  // bf16_gemv.cpp: whether the CPU has AVX512-BF16 (and AVX512F/BW)
 bool amx_fits(int64_t N, int64_t K);
 void amx_product(const uint16_t* w, const uint16_t* x, float* out, uint16_t* out16, int64_t M,
                  int64_t N, int64_t K);
 // RMSNorm of bf16 rows in HF's rounding order.
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-// Which attention path attend_tokens takes: the fastest this CPU has (AVX512-BF16 dot products
-// for the scores, else AVX512 or AVX2 with keys widened to fp32), keys widened (AVX512 or AVX2:
-// the same bits), or AVX2 only. The last two are kept for comparisons.
-constexpr int kAttentionBest = 0, kAttentionWidened = 1, kAttentionAvx2 = 2;
+// Which attention path attend_tokens takes: the fastest this CPU has (scores on AMX tiles for
+// head sizes 64 and 128, else AVX512-BF16 dot products, else AVX512 or AVX2 with keys widened
+// to fp32), the dot products without tiles, keys widened (AVX512 or AVX2: the same bits), or
+// AVX2 only. The last three are kept for comparisons.
+constexpr int kAttentionBest = 0, kAttentionWidened = 1, kAttentionAvx2 = 2, kAttentionDot = 3;
 // Attention of T query tokens: token t (q at q + t * q_stride, kvH x G heads of D) sees key
 // columns [0, lens[t]) of cache row rows[t] or, where bits (nullable) has bits[t] != 0, the
 // first lens[t] - popcount(bits[t]) columns and then that base + i for each set bit i (a tree
