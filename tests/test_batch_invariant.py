@@ -61,7 +61,7 @@ def outputs(results) -> list[tuple[list[int], list[float]]]:
 
 def test_every_row_goes_to_the_own_kernels(llm: LLM) -> None:
     model = llm.engine.model
-    assert model.kernels is not None and model.kernels.scores is None  # torch's log-softmax
+    assert model.kernels is not None
     assert model.lm_head.matvec_rows == EVERY_ROW and model.lm_head.weight_f32 is None
     assert all(layer.kernel is not None and layer.kernel_rows == EVERY_ROW
                and layer.self_attn.kernel_queries == EVERY_ROW for layer in model.layers)

@@ -152,3 +152,83 @@ def test_greedy_tokens_pick_what_argmax_picks() -> None:
             x[1] = float("-inf")
         assert torch.equal(greedy_tokens(x), x.argmax(dim=-1)), trial
         assert torch.equal(greedy_tokens(x[0]), x[0].argmax(dim=-1)), trial
+
+
+def test_own_kernel_draws_the_softmax_and_reports_log_softmax() -> None:
+    """The own sampling kernel (CPU): greedy rows take the first maximum (ties included) with
+    raw-logit logprobs; sampled rows draw the distribution of softmax(x / T) over blocks of
+    CDF_BLOCK tokens (a chi-square over buckets of a 5000-token vocabulary), the token the
+    inverse CDF of torch's softmax gives at the same uniform (but where the uniform sits
+    within rounding of a boundary), never a masked token; logprobs within fp32 rounding of
+    log_softmax, the same bits by ``token_logprobs`` and by scoring's maximum and log-sum, and
+    a row's results do not depend on the rows beside it."""
+    from tests.harness import own_kernels
+    from tlt_serve.kernels import sampling_kernels
+
+    own_kernels()  # a skip without them (a failure where they are required)
+    own = sampling_kernels()
+    assert own is not None
+    g = torch.Generator().manual_seed(0)
+    V = 5 * CDF_BLOCK - 17  # a partial last block
+    logits = (torch.randn(64, V, generator=g) * 2).round(decimals=1)  # ties
+    temps = torch.tensor([1.0, 0.7] * 32)
+    greedy = torch.tensor([True, False, False, False] * 16)
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    tokens, lps = own.sample(logits, temps, u, greedy)
+    scaled = logits / temps.unsqueeze(1)
+    assert torch.equal(tokens[greedy], greedy_tokens(scaled[greedy]))
+    want = torch.log_softmax(scaled, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(lps, want, atol=2e-6, rtol=1e-6)
+    assert torch.equal(own.logprobs(logits, temps, tokens), lps)
+    unit = temps == 1.0
+    mx, logsum, _ = own.scores(logits[unit], tokens[unit])
+    assert torch.equal((logits[unit].gather(1, tokens[unit, None]).squeeze(1) - mx) - logsum,
+                       lps[unit])
+    for r in (1, 2, 35):
+        alone = own.sample(logits[r : r + 1], temps[r : r + 1], u[r : r + 1], greedy[r : r + 1])
+        assert alone[0].item() == tokens[r].item() and alone[1].item() == lps[r].item()
+    # the torch path's draw at the same uniforms
+    n = 4000
+    row = logits[3:4].expand(n, -1).contiguous()
+    us = torch.rand(n, generator=g, dtype=torch.float64)
+    got, _ = own.sample(row, torch.full((n,), 0.7), us, torch.zeros(n, dtype=torch.bool))
+    ref = inverse_cdf(torch.softmax(row / 0.7, dim=-1), us)
+    assert int((got != ref).sum()) <= 2
+    # the distribution: the 9 likeliest tokens one bin each, the rest one (99.9% of chi2(9)
+    # is 27.9)
+    p = torch.softmax(logits[3].double() / 0.7, dim=0)
+    bins = torch.full((V,), 9)
+    bins[p.argsort(descending=True)[:9]] = torch.arange(9)
+    freq = torch.bincount(bins[got], minlength=10).double() / n
+    q = torch.zeros(10, dtype=torch.float64).index_add_(0, bins, p)
+    assert float(((freq - q) ** 2 / q).sum() * n) < 27.9
+    # masked tokens are never drawn, not even at u -> 1
+    masked = logits[:4].clone()
+    masked[:, 1::2] = float("-inf")
+    edge = torch.tensor([0.0, 0.5, 1 - 1e-12, 0.999999], dtype=torch.float64)
+    t, lp = own.sample(masked, torch.ones(4), edge, torch.zeros(4, dtype=torch.bool))
+    assert all(int(i) % 2 == 0 for i in t) and torch.isfinite(lp).all()
+    # a NaN row: torch's max picks the NaN, and so does the kernel
+    nan = logits[:1].clone()
+    nan[0, 77] = float("nan")
+    t, lp = own.sample(nan, torch.ones(1), u[:1], torch.tensor([True]))
+    assert t.item() == 77 == greedy_tokens(nan).item() and lp.isnan().all()
+    with pytest.raises(RuntimeError, match="fp32"):
+        own.sample(logits.double(), temps, u, greedy)
+    with pytest.raises(RuntimeError, match="token out of range"):
+        own.logprobs(logits[:1], temps[:1], torch.tensor([V]))
+
+
+def test_a_row_draws_the_same_token_beside_filtered_or_constrained_rows() -> None:
+    """A seeded row without filters is drawn by the own kernel (where built) and a row with
+    top-k / top-p by torch's ops, each alone: a row's token and logprob are the same whatever
+    rows share its step."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(1, 3000, generator=g) * 3
+    plain = SamplingParams(temperature=0.9)
+    alone = Sampler(seed=0).sample(logits.clone(), reqs(plain, 1, seed=11))
+    mixed = reqs(SamplingParams(temperature=0.8, top_p=0.9), 2, seed=3) + reqs(plain, 1, seed=11)
+    mixed += reqs(SamplingParams(temperature=0.0), 1)
+    out = Sampler(seed=1).sample(logits.expand(4, -1).clone(), mixed)
+    assert out.token_ids[2] == alone.token_ids[0] and out.logprobs[2] == alone.logprobs[0]
+    assert out.token_ids[3] == int(logits.argmax())

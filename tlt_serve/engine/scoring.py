@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tlt_serve.engine.request import PromptLogprobs, Request
+from tlt_serve.engine.sampler import own_kernels
 from tlt_serve.engine.scheduler import ScheduledBatch
 from tlt_serve.models.llama import LlamaModel
 
@@ -49,8 +50,8 @@ def _score(model: LlamaModel, req: Request, hidden: torch.Tensor) -> PromptLogpr
     ranks: list[int | None] = [None] * (first - start)
     top: list[list[tuple[int, float]]] = [[] for _ in range(first - start)]
     targets = torch.tensor(prompt[first:], device=hidden.device)  # [P]
-    kernels = model.kernels
-    fused = kernels.scores if kernels is not None and hidden.device.type == "cpu" else None
+    own = own_kernels(hidden.device)  # the sampler's: a token scored as it was sampled
+    fused = own.scores if own is not None else None
     V = model.lm_head.weight.shape[0]
     chunk = max(1, min(MAX_CHUNK, CHUNK_BYTES // (4 * V)))
     for lo in range(0, len(prompt) - first, chunk):

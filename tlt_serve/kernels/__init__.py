@@ -6,7 +6,8 @@ product AMX tiles where it has those, ``amx_product.cpp``): the bf16
 matrix × rows product, the RMSNorm, the attention of query tokens over their rows' caches
 (decode, verify, draft trees; prefills where the scores take dot products), all of them as one
 whole decoder layer (``decoder_layer.cpp``), and the log-softmax parts and rank of scored
-tokens (prompt logprobs, any dtype); or None when
+tokens (prompt logprobs, any dtype). ``sampling_kernels()`` returns those of ``sampling.cpp``:
+a token per row of fp32 logits and its logprob, in two passes over the row. Either is None when
 they cannot be had (no AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``);
 callers then use torch's own kernels, so nothing depends on them for correctness.
 
@@ -56,6 +57,25 @@ LayerKernel = Callable[..., torch.Tensor]
 #   (1 + how many logits of the row are larger), in two passes over the row
 TokenScores = Callable[[torch.Tensor, torch.Tensor],
                        tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+# Sampling over fp32 logits [N, V] (sampling.cpp): (logits, temps [N] fp32, u [N] fp64,
+# greedy [N] bool) → (tokens [N] long, logprobs [N] fp32); and (logits, temps, tokens [N]) →
+# the logprobs [N] the first reports for those tokens.
+SampleRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                      tuple[torch.Tensor, torch.Tensor]]
+TokenLogprobs = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SamplingKernels:
+    """The own sampling kernels: greedy rows take the first maximum, the others the inverse
+    CDF of exp(x / T - max) at their uniform; a logprob is log_softmax's (x / T - max) -
+    log(sum). Each row is computed alone, so the sampler's and the verifier's agree bit for
+    bit; they differ from torch's ops by float rounding only."""
+
+    sample: SampleRows
+    logprobs: TokenLogprobs
+    scores: TokenScores  # prompt logprobs: log-softmax parts (as ``sample`` at T = 1), ranks
 
 
 # Most rows the own product multiplies; more go to torch (see ``models.llama.Linear``). Where
@@ -121,7 +141,9 @@ ATTENTION_QUERIES = 16
 ATTENTION_QUERIES_AVX512_BF16 = 4096
 DOT_HEAD_DIMS = (64, 128, 256)  # head sizes whose scores take the dot products (others: 16)
 EVERY_ROW = 1 << 30  # a limit of rows or queries no step reaches (batch-invariant kernels)
-SOURCES = ("bf16_gemv.cpp", "decoder_layer.cpp", "amx_product.cpp", "bf16_kernels.h")
+SOURCES = (
+    "bf16_gemv.cpp", "decoder_layer.cpp", "amx_product.cpp", "sampling.cpp", "bf16_kernels.h"
+)
 BUILD_WAIT_S = 600.0  # longest wait on another process's build of the same kernels
 
 
@@ -144,7 +166,6 @@ class CpuKernels:
     # A whole decoder layer in one call, built on this module's product, norm and attention:
     # a copy that replaces any of them (an A/B) must drop it too.
     layer: LayerKernel | None = None
-    scores: TokenScores | None = None  # prompt logprobs: log-softmax parts and ranks
 
     def rows_for(self, weight: torch.Tensor) -> int:
         """Most rows the own product takes for ``weight`` [N, K]; more go to torch's."""
@@ -198,18 +219,25 @@ def cpu_kernels() -> CpuKernels | None:
     return CpuKernels(
         module.gemv_bf16, module.rms_norm_bf16, module.attention_bf16, rows, large, layer,
         attention_queries=queries, layer=module.decoder_layer_bf16,
-        scores=module.log_softmax_rank,
     )
+
+
+def sampling_kernels() -> SamplingKernels | None:
+    """The own sampling kernels (see ``SamplingKernels``), or None: use torch's ops."""
+    module = _module()
+    if module is None:
+        return None
+    return SamplingKernels(module.sample_rows, module.token_logprobs, module.log_softmax_rank)
 
 
 def batch_invariant(kernels: CpuKernels) -> CpuKernels:
     """``kernels`` taking every row of every step (products, the whole layer, the attention
     of any head size and prompt length): each computes a token the same way whatever else its
     step holds (a row's sums run in one order, its attention over exactly its keys), so a
-    token's logits depend on the tokens before it only. Prompt logprobs by torch's
-    log-softmax, as the sampler computes generated tokens' (bit for bit the same)."""
+    token's logits depend on the tokens before it only (and its logprob, sampled or scored,
+    on its logits only: ``SamplingKernels``)."""
     return replace(kernels, matvec_rows=EVERY_ROW, large_rows=EVERY_ROW, layer_rows=EVERY_ROW,
-                   attention_queries=EVERY_ROW, other_head_queries=EVERY_ROW, scores=None)
+                   attention_queries=EVERY_ROW, other_head_queries=EVERY_ROW)
 
 
 def matvec_avx2() -> MatVec | None:

@@ -17,13 +17,6 @@ static inline __m256 load_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-static inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
 
 
 // Y[M, N] = X[M, K] · W[N, K]^T for M <= 8 rows: each bf16 weight row is read once and
@@ -370,94 +363,6 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight,
     }
   });
   return y;
-}
-
-// exp of 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp for
-// the softmax's arguments <= 0, which are clamped at -88 where exp underflows anyway).
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.37626f)), _mm256_set1_ps(-88.37626f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-// The largest of x[0..n), n >= 1, 8 lanes at a time: the same value as a scalar walk (a maximum
-// is exact in any order); the scalar walk was ~12% of a prefill's attention.
-static inline float row_max(const float* x, int64_t n) {
-  float mx = x[0];
-  int64_t j = 0;
-  if (n >= 8) {
-    __m256 m8 = _mm256_loadu_ps(x);
-    for (j = 8; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + j));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, m8);
-    for (const float v : lanes) mx = std::max(mx, v);
-  }
-  for (; j < n; ++j) mx = std::max(mx, x[j]);
-  return mx;
-}
-
-// Scoring given tokens (prompt logprobs): per row of fp32 logits [C, V], the two parts of its
-// log-softmax, the maximum m and log(sum(exp(x - m))) (a logprob is (x - m) - that, as torch
-// computes it), and the rank of the row's target token (1 + how many logits are larger), in two
-// passes over the row while it is in cache: the maximum, then the sum with the count. What
-// torch takes a log-softmax written out in full ([C, V]), a gather and a top-k for (per 256
-// rows of the default model's 49152 logits here: 15 + 8 ms, against ~3 ms for both passes).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> log_softmax_rank(
-    const torch::Tensor& logits_in, const torch::Tensor& targets_in) {
-  TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat,
-              "logits must be [C, V] fp32");
-  const auto logits = logits_in.contiguous();
-  const auto targets = targets_in.to(at::kLong).contiguous();
-  const int64_t C = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V > 0 && targets.dim() == 1 && targets.size(0) == C, "targets must be [C]");
-  const float* xv = logits.data_ptr<float>();
-  const int64_t* tv = targets.data_ptr<int64_t>();
-  for (int64_t r = 0; r < C; ++r) TORCH_CHECK(tv[r] >= 0 && tv[r] < V, "target out of range");
-  auto maxima = torch::empty({C}, logits.options());
-  auto logsums = torch::empty({C}, logits.options());
-  auto rank = torch::empty({C}, targets.options());
-  float *mo = maxima.data_ptr<float>(), *lo = logsums.data_ptr<float>();
-  int64_t* ro = rank.data_ptr<int64_t>();
-  at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* x = xv + r * V;
-      const float chosen = x[tv[r]];
-      const float mx = row_max(x, V);
-      const __m256 m8 = _mm256_set1_ps(mx), c8 = _mm256_set1_ps(chosen);
-      int64_t j;
-      __m256 sum8 = _mm256_setzero_ps();
-      __m256i above8 = _mm256_setzero_si256();  // lanes count -1 per larger logit
-      for (j = 0; j + 8 <= V; j += 8) {
-        const __m256 v = _mm256_loadu_ps(x + j);
-        sum8 = _mm256_add_ps(sum8, exp8(_mm256_sub_ps(v, m8)));
-        above8 = _mm256_add_epi32(above8, _mm256_castps_si256(_mm256_cmp_ps(v, c8, _CMP_GT_OQ)));
-      }
-      float sum = hsum(sum8);
-      alignas(32) int32_t counts[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(counts), above8);
-      int64_t above = 0;
-      for (const int32_t c : counts) above -= c;
-      for (; j < V; ++j) {
-        sum += std::exp(x[j] - mx);
-        above += x[j] > chosen;
-      }
-      mo[r] = mx;
-      lo[r] = std::log(sum);
-      ro[r] = above + 1;
-    }
-  });
-  return {maxima, logsums, rank};
 }
 
 // The 8 horizontal sums of a[0..7] as one vector (lane i = sum of a[i]).
@@ -1049,7 +954,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether gemv_bf16 (bf16 rows) and attention_bf16 (scores) take AVX512-BF16 dot products");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows, fp32 math, HF's rounding order");
   m.def("log_softmax_rank", &log_softmax_rank,
-        "per row of fp32 logits: its maximum, log(sum(exp(x - max))) and its target's rank");
+        "per row of fp32 logits: its maximum, log(sum(exp(x - max))) and its target's rank "
+        "(sampling.cpp)");
+  m.def("sample_rows", &sample_rows,
+        "a token per row of fp32 logits (greedy: the first maximum, else the inverse CDF at u) "
+        "and its logprob at the row's temperature (sampling.cpp)");
+  m.def("token_logprobs", &token_logprobs,
+        "the logprobs sample_rows reports, of given tokens at the rows' temperatures");
   m.def("attention_bf16", &attention_bf16,
         "attention of query tokens over their rows' bf16 caches (decode, verify, trees, prefills)");
   m.def("attention_bf16_dot", &attention_bf16_dot,

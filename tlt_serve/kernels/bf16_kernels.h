@@ -1,8 +1,12 @@
 // Shared by the kernel sources: bf16 <-> fp32 and the entry points one source calls in another.
 #pragma once
+#include <immintrin.h>
 #include <torch/extension.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -24,6 +28,50 @@ static inline uint16_t f32_to_bf16(float f) {
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
   bits += 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>(bits >> 16);
+}
+
+// The sum of 8 lanes.
+static inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+
+// exp of 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp for
+// the softmax's arguments <= 0, which are clamped at -88 where exp underflows anyway).
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.37626f)), _mm256_set1_ps(-88.37626f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// The largest of x[0..n), n >= 1, 8 lanes at a time: the same value as a scalar walk (a maximum
+// is exact in any order); the scalar walk was ~12% of a prefill's attention.
+static inline float row_max(const float* x, int64_t n) {
+  float mx = x[0];
+  int64_t j = 0;
+  if (n >= 8) {
+    __m256 m8 = _mm256_loadu_ps(x);
+    for (j = 8; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m8);
+    for (const float v : lanes) mx = std::max(mx, v);
+  }
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  return mx;
 }
 
 // Which path the product takes: the fastest this CPU has (AMX tiles for bf16 rows where the
@@ -76,3 +124,14 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
                                  const torch::Tensor& lens, const torch::Tensor& bits,
                                  int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
                                  const std::vector<int64_t>& own_rows);
+// Sampling (sampling.cpp): a token per row (greedy rows the first maximum, the others the
+// inverse CDF at u) and its logprob at the row's temperature; the logprobs of given tokens;
+// per row of scored logits its maximum, log-sum and the target's rank.
+std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits,
+                                                     const torch::Tensor& temps,
+                                                     const torch::Tensor& u,
+                                                     const torch::Tensor& greedy);
+torch::Tensor token_logprobs(const torch::Tensor& logits, const torch::Tensor& temps,
+                             const torch::Tensor& tokens);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> log_softmax_rank(
+    const torch::Tensor& logits, const torch::Tensor& targets);

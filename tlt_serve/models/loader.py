@@ -193,8 +193,8 @@ def build_model(
 
     bf16 on CPU: products of up to ``CpuKernels.matvec_rows`` rows, the RMSNorms and the
     attention use the own AVX2 kernels when ``cpu_kernels`` and they build; larger products
-    run in fp32 where the CPU lacks bf16 GEMM (see ``Linear``). fp32 on CPU: only scoring's
-    kernel (``CpuKernels.scores``). ``batch_invariant`` (bf16 on CPU): the own kernels take
+    run in fp32 where the CPU lacks bf16 GEMM (see ``Linear``); fp32 on CPU: torch's.
+    ``batch_invariant`` (bf16 on CPU): the own kernels take
     every row (``kernels.batch_invariant``), or the model is refused naming why."""
     cfg = ArchConfig.from_dir(path)
     with torch.device("meta"):
@@ -216,10 +216,7 @@ def build_model(
                               f"heads (head_dim {cfg.head_dim}, {cfg.num_heads} query heads "
                               f"over {cfg.num_kv_heads} KV heads)")
     elif cpu_kernels and device.startswith("cpu"):
-        own = own_kernels()
-        if own is not None and not cpu_bf16:  # fp32: only scoring's kernel applies
-            own = CpuKernels(matvec=None, norm=None, attention=None, scores=own.scores)
-        set_cpu_kernels(model, own)
+        set_cpu_kernels(model, own_kernels() if cpu_bf16 else None)
     return model.eval().requires_grad_(False)
 
 

@@ -44,7 +44,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt_serve.engine.sampler import apply_filters, greedy_tokens, inverse_cdf, top_logprobs_of
+from tlt_serve.engine.sampler import (
+    apply_filters,
+    chosen_logprobs,
+    greedy_tokens,
+    inverse_cdf,
+    own_kernels,
+    own_row,
+    row_temperatures,
+    top_logprobs_of,
+)
 from tlt_serve.sampling_params import SamplingParams
 
 
@@ -158,11 +167,16 @@ def drawer(
     """Draws the token at position j of one row's logits [Q, V] exactly as the engine's
     sampler would there (temperature, filters, its next uniform, ``inverse_cdf``)."""
     temp = torch.tensor([params.temperature], device=logits.device)  # [1] fp32, as in the sampler
+    own = own_kernels(logits.device) if own_row(params) else None
+    sampled = torch.tensor([False])
 
     def draw(j: int) -> int:
+        u = torch.rand(1, generator=gen, dtype=torch.float64)  # [1]
+        if own is not None:  # the sampler's own kernel on this row alone: the same draw
+            return int(own.sample(logits[j : j + 1].contiguous(), temp, u, sampled)[0])
         scaled = logits[j : j + 1] / temp.unsqueeze(1)  # [1, V]
         probs = torch.softmax(apply_filters(scaled, [params]), dim=-1)  # [1, V]
-        return int(inverse_cdf(probs, torch.rand(1, generator=gen, dtype=torch.float64)))
+        return int(inverse_cdf(probs, u))
 
     return draw
 
@@ -178,16 +192,16 @@ def target_logprobs(
     when asked for: computed for those positions only."""
     at_row = [b for b, pos in enumerate(positions) for _ in pos]  # [T]
     per_tok = [params[b] for b in at_row]
-    temps = torch.tensor(
-        [1.0 if p.greedy else p.temperature for p in per_tok], device=logits.device
-    )  # [T]
+    temps = row_temperatures(per_tok)  # [T]
     picked = logits[at_row, [j for pos in positions for j in pos]]  # [T, V]
-    logprobs = torch.log_softmax(picked / temps.unsqueeze(1), dim=-1)  # [T, V]
     flat = torch.tensor(
         [t for row in tokens for t in row], dtype=torch.long, device=logits.device
     )  # [T]
-    chosen = logprobs.gather(1, flat.unsqueeze(1)).squeeze(1).tolist()  # [T]
-    tops = top_logprobs_of(logprobs, per_tok)  # [T][top] or None
+    chosen = chosen_logprobs(picked, temps, flat).tolist()  # [T]
+    tops = None
+    if any(p.top_logprobs for p in per_tok):
+        scaled = picked / torch.tensor(temps, device=logits.device).unsqueeze(1)  # [T, V]
+        tops = top_logprobs_of(torch.log_softmax(scaled, dim=-1), per_tok)  # [T][top]
     lps: list[list[float]] = []
     top_rows: list[list[list[tuple[int, float]]]] = []
     at = 0
