@@ -142,6 +142,49 @@ def test_outputs_with_the_cache_equal_outputs_without(tiny_model_dir, method, se
     assert on.engine.prefix is not None and on.engine.prefix.stats().hits >= 2 * len(PROMPTS)
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_separate_requests_of_one_prompt_share_its_prefill(tiny_model_dir, seeded) -> None:
+    """A prompt's n samples sent as n requests (slime's pattern) in one step: the first
+    computes the prompt, the others take its KV and logits (their prompt reported cached),
+    with the outputs of computing each; a different cache salt, or a scored prompt, computes
+    its own; without the cache every request computes its prompt."""
+    on, off = llm(tiny_model_dir, True), llm(tiny_model_dir, False)
+    prompts = [on.tokenizer.encode(p) for p in PROMPTS[:2]]
+    batch = [p for p in prompts for _ in range(3)]  # within the 8 rows: one step
+    got = on.generate(batch, params(seeded))
+    same(got, off.generate(batch, params(seeded)))
+    cached = [r.samples[0].cached_tokens for r in got]
+    assert cached == [c for p in prompts for c in (0, len(p), len(p))], cached
+    salted = [SamplingParams(max_new_tokens=4, cache_salt=salt) for salt in ("a", "b", "a")]
+    mixed = on.generate([prompts[0]] * 3, salted)
+    # salted apart from the entries above and from each other, but for the third
+    assert [r.samples[0].cached_tokens for r in mixed] == [0, 0, len(prompts[0])]
+    scored = on.generate([prompts[1]] * 2, SamplingParams(max_new_tokens=2, prompt_logprobs=0))
+    assert all(r.samples[0].prompt_logprobs is not None for r in scored)
+    offs = off.generate(batch, params(seeded))
+    assert all(r.samples[0].cached_tokens == 0 for r in offs)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_prompts_opening_alike_take_the_prefix_from_a_running_row(tiny_model_dir,
+                                                                   seeded) -> None:
+    """Conversations opening with one long system prompt, sent together to an empty cache:
+    the first computes it, the others wait a step and copy it from its row while it is still
+    being answered (``SHARED_PREFIX``), with the outputs of computing each."""
+    from tlt_serve.engine.scheduler import SHARED_PREFIX
+
+    on, off = llm(tiny_model_dir, True), llm(tiny_model_dir, False)
+    system = (on.tokenizer.encode(" ".join(PROMPTS)) * 3)[: SHARED_PREFIX + 16]
+    prompts = [system + on.tokenizer.encode(q) for q in PROMPTS[1:4]]
+    got = on.generate(prompts, params(seeded))
+    same(got, off.generate(prompts, params(seeded)))
+    cached = [r.samples[0].cached_tokens for r in got]
+    assert cached[0] == 0 and all(c >= len(system) for c in cached[1:]), cached
+    short = [system[: SHARED_PREFIX // 2] + on.tokenizer.encode(q) for q in PROMPTS[1:3]]
+    fresh = llm(tiny_model_dir, True)  # an empty cache, a shared opening too short to wait
+    assert [r.samples[0].cached_tokens for r in fresh.generate(short, params(seeded))] == [0, 0]
+
+
 def test_no_kv_from_old_weights_and_no_reuse_when_features_are_needed(
     tiny_model_dir, tiny_drafter_dir
 ) -> None:

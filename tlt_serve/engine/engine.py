@@ -21,7 +21,7 @@ from tlt_serve.engine.features import committed_features
 from tlt_serve.engine.grammar import Grammars
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.engine.outputs import StepOutput
-from tlt_serve.engine.prefix_cache import PrefixCache, salted
+from tlt_serve.engine.prefix_cache import Entry, PrefixCache, salted
 from tlt_serve.engine.request import Request
 from tlt_serve.engine.runner import ModelRunner
 from tlt_serve.engine.sampler import Sampler
@@ -190,7 +190,12 @@ class Engine:
         spare = range(max(r.row for r in batch.samplers) + 1, self.kv.rows)
         claims = [(r.row, _reusable(r) if id(r) in leads else None) for r in batch.samplers]
         keys = [salted(self.weight_version, r.params.cache_salt) for r in batch.samplers]
-        got = self.prefix.admit(claims, keys, spare)
+        admitted = {id(r) for r in batch.samplers}
+        running = [Entry(r.row, (r.prompt_ids + r.output_ids)[: r.num_tokens - 1],
+                         salted(self.weight_version, r.params.cache_salt))
+                   for r in self.scheduler.running
+                   if id(r) not in admitted and r.kv_version == self.weight_version]
+        got = self.prefix.admit(claims, keys, spare, running)
         for r, n in zip(batch.samplers, got, strict=True):
             if id(r) in leads:
                 r.cached_tokens = n

@@ -7,7 +7,8 @@ it, instead of overwriting it). Admissions take the lowest free rows: an entry t
 to a spare row, else gives way. A new prompt whose tokens start with an entry's copies those
 columns into its own row (or finds them there already) and its prefill computes only the
 rest: the n samples of a prompt sent as n requests, a conversation's next turn, a shared
-system prompt.
+system prompt. Running sequences' rows are sources too (read, never moved): a prompt can start
+from a system prompt another request is still being answered after.
 
 Exact: an entry holds the KV the target computed for exactly those tokens at those
 positions under the weights it serves now: a weight update (and ``/flush_cache``) empties
@@ -64,7 +65,7 @@ class PrefixCache:
     # ---- admission ---------------------------------------------------------------------
     def admit(
         self, claims: Sequence[tuple[int, Sequence[int] | None]], version: str | Sequence[str],
-        spare: Sequence[int],
+        spare: Sequence[int], running: Sequence[Entry] = (),
     ) -> list[int]:
         """One step's admissions, (row, prompt) each (prompt None: a sibling, whose KV comes
         from its leader's row after the forward). Returns per claim how many columns of its
@@ -74,11 +75,14 @@ class PrefixCache:
         out of a row runs before the copy into it. Copies in a cycle (admitted rows holding
         each other's entries) are resolved by exchanging rows (``swap_rows``; without it the
         first of the cycle computes its prompt instead). ``version``: the key entries must
-        carry, one for all claims or one per claim (``salted``)."""
+        carry, one for all claims or one per claim (``salted``). ``running``: the rows of running
+        sequences as read-only sources, each with the tokens whose KV it holds (a system prompt
+        or a conversation that is still being answered)."""
         rows = {row for row, _ in claims}
         keys = [version] * len(claims) if isinstance(version, str) else list(version)
+        found = [*self.entries.values(), *running]
         best: list[tuple[Entry | None, int]] = [
-            (None, 0) if p is None else self._longest(p, key)
+            (None, 0) if p is None else self._longest(p, key, found)
             for (_, p), key in zip(claims, keys, strict=True)]
         for _, p in claims:
             self.lookups += p is not None
@@ -114,15 +118,16 @@ class PrefixCache:
             self.entries.pop(row, None)  # running sequences hold them now
         return got
 
-    def _longest(self, prompt: Sequence[int], version: str) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with ``prompt`` (at most len - 1 tokens, at
+    def _longest(self, prompt: Sequence[int], version: str,
+                 sources: Sequence[Entry]) -> tuple[Entry | None, int]:
+        """The source sharing the longest prefix with ``prompt`` (at most len - 1 tokens, at
         least ``min_tokens``) and that length; (None, 0) when none does."""
         best, best_len = None, 0
         limit = len(prompt) - 1
-        for entry in self.entries.values():
+        for entry in sources:
             if entry.version != version:
                 continue
-            n = _common(entry.tokens, prompt, limit)
+            n = common_prefix(entry.tokens, prompt, limit)
             if n > best_len:
                 best, best_len = entry, n
         if best_len < self.min_tokens:
@@ -140,7 +145,7 @@ class PrefixCache:
         for entry in list(self.entries.values()):
             if entry.version != version:
                 continue
-            n = _common(entry.tokens, tokens, len(tokens))
+            n = common_prefix(entry.tokens, tokens, len(tokens))
             if n == len(tokens):
                 return
             if n == len(entry.tokens):
@@ -152,7 +157,7 @@ class PrefixCache:
                            self.hits, self.hit_tokens, self.lookups)
 
 
-def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
     n = min(len(a), len(b), limit)
     if a[:n] == b[:n]:

@@ -14,9 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tlt_serve.engine.outputs import StepOutput
+from tlt_serve.engine.prefix_cache import common_prefix
 from tlt_serve.engine.request import FinishReason, Request, Status, TopLogprobs
 from tlt_serve.sampling_params import SamplingParams
 
+# A prompt sharing this many tokens or more with one a prefill step computes waits for the next
+# step and copies them (the prefix cache's running sources): computing them is worth more than
+# a step's wait from about a few dozen tokens (a prefill of 64 tokens costs about a decode step
+# of 64 rows here).
+SHARED_PREFIX = 64
 RowMover = Callable[[int, int, int], None]  # (src_row, dst_row, num_tokens)
 Keeper = Callable[[list[Request]], None]
 
@@ -104,25 +110,50 @@ class Scheduler:
         prefill = self._schedule_prefill() if self.admitting else None
         return prefill or self._schedule_decode()
 
+    def _share_key(self, req: Request) -> object | None:
+        """What a request shares one prefill with in a step: its group's samples (n > 1),
+        and, with the prefix cache on, separate requests of the same prompt and cache salt
+        (slime sends a prompt's n samples so); a scored prompt computes its own."""
+        if req.group is not None:
+            return req.group
+        if self.keep is None or req.params.scores_prompt:
+            return None
+        return (tuple(req.prompt_ids), req.params.cache_salt)
+
+    def _defer(self, req: Request, forward: list[Request]) -> bool:
+        """With the prefix cache on: whether ``req`` starts with ``SHARED_PREFIX`` tokens or
+        more of a prompt this step computes (a system prompt that many conversations open
+        with, arriving together). It waits a step and takes that prompt's KV from its row
+        then, instead of computing it again beside it."""
+        if self.keep is None or req.params.scores_prompt:
+            return False
+        salt = req.params.cache_salt
+        return any(r.params.cache_salt == salt and common_prefix(
+            r.prompt_ids, req.prompt_ids, len(req.prompt_ids) - 1) >= SHARED_PREFIX
+            for r in forward)
+
     def _schedule_prefill(self) -> ScheduledBatch | None:
         forward: list[Request] = []
         samplers: list[Request] = []
         logit_index: list[int] = []
-        leaders: dict[str, int] = {}
+        leaders: dict[object, int] = {}  # share key → its leader's index in forward
+        lead_of: dict[int, Request] = {}  # id(sibling) → the request whose prefill it shares
         longest = 0
         while self.waiting and len(self.running) < self.num_rows:
             req = self.waiting[0]
-            lead = leaders.get(req.group) if req.group is not None else None
+            key = self._share_key(req)
+            lead = leaders.get(key) if key is not None else None
             if lead is not None and forward[lead].prompt_ids == req.prompt_ids:
+                lead_of[id(req)] = forward[lead]
                 req.cached_tokens = len(req.prompt_ids)
                 logit_index.append(lead)
             else:
                 padded = (len(forward) + 1) * max(longest, len(req.prompt_ids))
-                if forward and padded > self.max_prefill_tokens:
+                if forward and (padded > self.max_prefill_tokens or self._defer(req, forward)):
                     break
                 longest = max(longest, len(req.prompt_ids))
-                if req.group is not None:
-                    leaders[req.group] = len(forward)
+                if key is not None:
+                    leaders[key] = len(forward)
                 logit_index.append(len(forward))
                 forward.append(req)
             self.waiting.popleft()
@@ -131,11 +162,11 @@ class Scheduler:
             samplers.append(req)
         if not samplers:
             return None
-        copies = self._place_siblings(forward, samplers)
+        copies = self._place_siblings(forward, samplers, lead_of)
         return ScheduledBatch(True, forward, samplers, logit_index, copies)
 
     def _place_siblings(
-        self, forward: list[Request], admitted: list[Request]
+        self, forward: list[Request], admitted: list[Request], lead_of: dict[int, Request]
     ) -> list[tuple[int, int, int]]:
         """Give the forward requests contiguous rows, siblings the rows after them.
 
@@ -147,9 +178,7 @@ class Scheduler:
         for i, req in enumerate(forward + siblings):
             req.row = base + i
             self.running[base + i] = req
-        row_of_group = {r.group: r.row for r in forward if r.group is not None}
-        # Siblings always have a group (that is how they became siblings).
-        return [(row_of_group[str(r.group)], r.row, len(r.prompt_ids)) for r in siblings]
+        return [(lead_of[id(r)].row, r.row, len(r.prompt_ids)) for r in siblings]
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         if not self.running:
