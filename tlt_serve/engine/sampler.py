@@ -40,21 +40,23 @@ class Sampler:
         N = len(reqs)
         temps = row_temperatures(params)
         u = self._uniforms(reqs) if not all(p.greedy for p in params) else torch.zeros(
-            N, dtype=torch.float64)  # [N]
+            N, dtype=torch.float64, device="cpu")  # [N], where _uniforms draws them
         own = own_kernels(logits.device)
         fast = [i for i, r in enumerate(reqs) if own is not None and r.grammar is None
                 and own_row(r.params)]
+        dev = logits.device
         if own is not None and len(fast) == N:  # a decode step's usual case: no copies
-            tokens, chosen = own.sample(logits.contiguous(), torch.tensor(temps), u,
-                                        torch.tensor([p.greedy for p in params]))
+            tokens, chosen = own.sample(logits.contiguous(), torch.tensor(temps, device=dev), u,
+                                        torch.tensor([p.greedy for p in params], device=dev))
         else:
-            tokens = torch.empty(N, dtype=torch.long, device=logits.device)  # [N]
-            chosen = torch.empty(N, device=logits.device)  # [N]
+            tokens = torch.empty(N, dtype=torch.long, device=dev)  # [N]
+            chosen = torch.empty(N, device=dev)  # [N]
             taken = set(fast)
             slow = [i for i in range(N) if i not in taken]
             if own is not None and fast:
-                t, c = own.sample(logits[fast], torch.tensor([temps[i] for i in fast]), u[fast],
-                                  torch.tensor([params[i].greedy for i in fast]))
+                t, c = own.sample(logits[fast], torch.tensor([temps[i] for i in fast], device=dev),
+                                  u[fast], torch.tensor([params[i].greedy for i in fast],
+                                                        device=dev))
                 tokens[fast], chosen[fast] = t, c
             picked = logits if not fast else logits[slow]  # [S, V]
             t = torch_tokens(picked, [reqs[i] for i in slow], u[slow])

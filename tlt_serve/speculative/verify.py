@@ -168,7 +168,7 @@ def drawer(
     sampler would there (temperature, filters, its next uniform, ``inverse_cdf``)."""
     temp = torch.tensor([params.temperature], device=logits.device)  # [1] fp32, as in the sampler
     own = own_kernels(logits.device) if own_row(params) else None
-    sampled = torch.tensor([False])
+    sampled = torch.tensor([False], device=logits.device)  # [1]: not a greedy row
 
     def draw(j: int) -> int:
         u = torch.rand(1, generator=gen, dtype=torch.float64)  # [1]
