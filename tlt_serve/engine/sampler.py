@@ -45,28 +45,21 @@ class Sampler:
         fast = [i for i, r in enumerate(reqs) if own is not None and r.grammar is None
                 and own_row(r.params)]
         dev = logits.device
-        if own is not None and len(fast) == N:  # a decode step's usual case: no copies
-            tokens, chosen = own.sample(logits.contiguous(), torch.tensor(temps, device=dev), u,
-                                        torch.tensor([p.greedy for p in params], device=dev))
-        else:
-            tokens = torch.empty(N, dtype=torch.long, device=dev)  # [N]
-            chosen = torch.empty(N, device=dev)  # [N]
-            taken = set(fast)
-            slow = [i for i in range(N) if i not in taken]
-            if own is not None and fast:
-                t, c = own.sample(logits[fast], torch.tensor([temps[i] for i in fast], device=dev),
-                                  u[fast], torch.tensor([params[i].greedy for i in fast],
-                                                        device=dev))
-                tokens[fast], chosen[fast] = t, c
+        tokens = torch.empty(N, dtype=torch.long, device=dev)  # [N]
+        chosen = torch.empty(N, device=dev)  # [N]
+        taken = set(fast)
+        slow = [i for i in range(N) if i not in taken]
+        if own is not None and fast:  # every row, in a decode step's usual case: no copy
+            rows = logits if not slow else logits[fast]  # [F, V]
+            tokens[fast], chosen[fast] = own.sample(
+                rows, torch.tensor([temps[i] for i in fast], device=dev), u[fast],
+                torch.tensor([params[i].greedy for i in fast], device=dev))
+        if slow:
             picked = logits if not fast else logits[slow]  # [S, V]
             t = torch_tokens(picked, [reqs[i] for i in slow], u[slow])
             tokens[slow] = t
             chosen[slow] = chosen_logprobs(picked, [temps[i] for i in slow], t)
-        tops = None
-        if any(p.top_logprobs for p in params):
-            scaled = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)  # [N, V]
-            tops = top_logprobs_of(torch.log_softmax(scaled, dim=-1), params)
-        return Sampled(tokens.tolist(), chosen.tolist(), tops)
+        return Sampled(tokens.tolist(), chosen.tolist(), top_logprobs_of(logits, temps, params))
 
     def _uniforms(self, reqs: Sequence[Request]) -> torch.Tensor:
         """One U[0, 1) draw per row [N] (fp64), from the row's generator or the shared one:
@@ -233,12 +226,15 @@ def _min_p(out: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
 
 
 def top_logprobs_of(
-    logprobs: torch.Tensor, params: Sequence[SamplingParams]
+    logits: torch.Tensor, temps: Sequence[float], params: Sequence[SamplingParams]
 ) -> list[list[tuple[int, float]]] | None:
+    """Each row's ``top_logprobs`` best tokens of ``log_softmax(logits / T)`` (logits [N, V]),
+    or None where no row asks: the log-softmax is written out only then."""
     k = max(p.top_logprobs for p in params)
     if k == 0:
         return None
-    values, ids = logprobs.topk(k, dim=-1)  # [N, k]
+    scaled = logits / torch.tensor(list(temps), device=logits.device).unsqueeze(1)  # [N, V]
+    values, ids = torch.log_softmax(scaled, dim=-1).topk(k, dim=-1)  # [N, k]
     rows = zip(ids.tolist(), values.tolist(), strict=True)
     return [
         list(zip(i[: p.top_logprobs], v[: p.top_logprobs], strict=True))

@@ -198,10 +198,7 @@ def target_logprobs(
         [t for row in tokens for t in row], dtype=torch.long, device=logits.device
     )  # [T]
     chosen = chosen_logprobs(picked, temps, flat).tolist()  # [T]
-    tops = None
-    if any(p.top_logprobs for p in per_tok):
-        scaled = picked / torch.tensor(temps, device=logits.device).unsqueeze(1)  # [T, V]
-        tops = top_logprobs_of(torch.log_softmax(scaled, dim=-1), per_tok)  # [T][top]
+    tops = top_logprobs_of(picked, temps, per_tok)  # [T][top] or None
     lps: list[list[float]] = []
     top_rows: list[list[list[tuple[int, float]]]] = []
     at = 0
