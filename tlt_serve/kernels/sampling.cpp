@@ -90,7 +90,6 @@ RowStats row_pass(const float* x, int64_t V, float t, float* e, float* sums, con
     const float q = std::numeric_limits<float>::quiet_NaN();
     return {q, j, q, q};
   }
-  if (mx == -std::numeric_limits<float>::infinity()) at = 0;  // every token masked
   // Pass 2: exponentials and block sums.
   const __m256 m8 = _mm256_set1_ps(mx);
   const int64_t nb = (V + kBlock - 1) / kBlock;
