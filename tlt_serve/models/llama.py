@@ -240,11 +240,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _kernel_fits(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer) -> bool:
+        """Whether the whole-layer kernel takes this step: up to ``kernel_rows`` tokens, or
+        more where at least half the batch's slots are padding (rows of one token beside a
+        prompt: a mixed step), which op by op would rotate, write and attend padded."""
         rows = x.numel() // x.shape[-1]
         return (
             self.kernel is not None
             and _kernel_lens(batch, x, kv[0], self.self_attn.kernel_queries) is not None
-            and rows <= self.kernel_rows
+            and (rows <= self.kernel_rows or batch.positions.numel() >= 2 * rows)
             # its torch products are bf16 GEMMs: none where Linear multiplies an fp32 copy
             and (rows <= min(self.product_rows) or self.mlp.down_proj.weight_f32 is None)
             and self.post_attention_layernorm.weight.dtype == torch.bfloat16
@@ -337,6 +340,14 @@ class LlamaModel(nn.Module):
         return ModelOutput(
             hidden=batch.unpack(self.norm(x)), aux=tuple(batch.unpack(a) for a in aux)
         )
+
+    def packed_queries(self) -> int:
+        """The most query tokens per row a step runs packed end to end (the whole-layer
+        kernel rotates, writes and attends the real tokens only); 0 where the layers pad
+        around attention (torch's ops: fp32, no own kernels)."""
+        layer = self.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        return layer.self_attn.kernel_queries if layer.kernel is not None else 0
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] → logits [N, V] in fp32."""
