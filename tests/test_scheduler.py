@@ -38,6 +38,8 @@ def run_batch(sched: Scheduler, kv: FakeKV, token: int):
         assert r is lead or (r.group == lead.group and kv.owner[r.row] == lead.rid)
         if r is not lead:
             kv.owner[r.row] = r.rid  # from now on the sibling's own tokens
+    assert all(r.output_ids for r in batch.forward[: batch.decodes])  # running: decoding
+    assert not any(r.output_ids for r in batch.prefilling)
     n = len(batch.samplers)
     return sched.postprocess(batch, Sampled([token] * n, [0.0] * n, None), "v")
 
@@ -53,10 +55,10 @@ ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=ops, budget=st.integers(4, 40))
-def test_random_schedules_keep_invariants(ops, budget: int) -> None:
+@given(ops=ops, budget=st.integers(4, 40), mixed=st.sampled_from([0, 4, MAX_LEN]))
+def test_random_schedules_keep_invariants(ops, budget: int, mixed: int) -> None:
     kv = FakeKV()
-    sched = Scheduler(ROWS, MAX_LEN, budget, frozenset({EOS}), kv.move)
+    sched = Scheduler(ROWS, MAX_LEN, budget, frozenset({EOS}), kv.move, mixed=mixed)
     finished: dict[str, int] = {}
     added: list[str] = []
     for op in ops:

@@ -81,6 +81,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_prefill_tokens: int = 2048  # padded prompt tokens per prefill forward
     max_waiting: int = 4096  # queued requests beyond which new ones are refused
+    # running sequences decode in the steps that admit requests (False: a prefill step of
+    # its own, the running ones waiting)
+    mixed_steps: bool = True
 
     def validate(self) -> None:
         if self.max_prefill_tokens < 1:

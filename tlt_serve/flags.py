@@ -88,6 +88,10 @@ def parse(argv: list[str]) -> ServerConfig:
                        help="compute every prompt in full (by default a prompt that starts "
                        "with a finished sequence's tokens reuses their KV: n samples sent as "
                        "n requests, multi-turn conversations)")
+    serve.add_argument("--no-mixed-steps", action="store_true",
+                       help="native engine: admitted prompts prefill in a step of their own, "
+                       "the running sequences waiting (by default they decode in the same "
+                       "forward)")
     serve.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                        help="on a GPU (backend vllm): the share of its memory the engine takes "
                        "(default: what weights, KV cache and working memory need)")
@@ -171,7 +175,8 @@ def parse(argv: list[str]) -> ServerConfig:
             cache=CacheConfig(max_num_seqs=args.max_num_seqs,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               prefix_cache=not args.no_prefix_cache),
-            scheduler=SchedulerConfig(max_waiting=args.max_waiting),
+            scheduler=SchedulerConfig(max_waiting=args.max_waiting,
+                                      mixed_steps=not args.no_mixed_steps),
             spec=SpecConfig(
                 method=args.speculative,
                 drafter=args.drafter,

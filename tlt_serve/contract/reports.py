@@ -70,6 +70,7 @@ class StatsSnapshot:
     kv_tokens: int = 0  # tokens held in the KV cache now (vLLM: block-granular)
     prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, ever
     prefix_entries: int = 0  # finished sequences' KV kept for reuse now (native engine)
+    mixed_steps: int = 0  # prefill steps that decoded running sequences too (native engine)
     # Median tokens/s per batch-size bucket and strategy, as the adaptive policy measured it.
     spec_policy: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -95,6 +96,7 @@ def snapshot_of(
         prompt_tokens=s.prompt_tokens,
         generated_tokens=s.generated_tokens,
         prefill_steps=s.prefill_steps,
+        mixed_steps=s.mixed_steps,
         decode_steps=s.decode_steps,
         running=running,
         waiting=waiting,

@@ -25,7 +25,13 @@ from tlt_serve.engine.prefix_cache import Entry, PrefixCache, salted
 from tlt_serve.engine.request import Request
 from tlt_serve.engine.runner import ModelRunner
 from tlt_serve.engine.sampler import Sampler
-from tlt_serve.engine.scheduler import Emitted, Sampled, ScheduledBatch, Scheduler
+from tlt_serve.engine.scheduler import (
+    MIXED_PADDED_QUERIES,
+    Emitted,
+    Sampled,
+    ScheduledBatch,
+    Scheduler,
+)
 from tlt_serve.engine.scoring import first_needed, score_prompts
 from tlt_serve.engine.speculation import SpeculationBuilder, plain_decoding
 from tlt_serve.engine.stats import EngineStats
@@ -86,6 +92,9 @@ class Engine:
             move_row=self._move_row,
             keep=None if self.prefix is None else self._finishing,
             kept=None if self.prefix is None else self._finished,
+            cached=None if self.prefix is None else self._cached_len,
+            mixed=(max(self.model.packed_queries(), MIXED_PADDED_QUERIES)
+                   if config.scheduler.mixed_steps else 0),
         )
         # row → (tokens whose KV it holds, its cache key)
         self._finishing_rows: dict[int, tuple[list[int], str]] = {}
@@ -182,23 +191,34 @@ class Engine:
         drafter or capture, which need every prompt position's features, find the prefix's
         kept beside its KV (``KVCache.keep_features``: both are configured at start, and so
         is the store)."""
-        for r in batch.samplers:
+        admitted = batch.prefilling
+        for r in admitted:
             r.kv_version = self.weight_version
         if self.prefix is None:
             return
-        leads = {id(r) for r in batch.forward}
-        spare = range(max(r.row for r in batch.samplers) + 1, self.kv.rows)
-        claims = [(r.row, _reusable(r) if id(r) in leads else None) for r in batch.samplers]
-        keys = [salted(self.weight_version, r.params.cache_salt) for r in batch.samplers]
-        admitted = {id(r) for r in batch.samplers}
-        running = [Entry(r.row, (r.prompt_ids + r.output_ids)[: r.num_tokens - 1],
-                         salted(self.weight_version, r.params.cache_salt))
-                   for r in self.scheduler.running
-                   if id(r) not in admitted and r.kv_version == self.weight_version]
-        got = self.prefix.admit(claims, keys, spare, running)
-        for r, n in zip(batch.samplers, got, strict=True):
+        leads = {id(r) for r in batch.forward[batch.decodes :]}
+        spare = range(max(r.row for r in admitted) + 1, self.kv.rows)
+        claims = [(r.row, _reusable(r) if id(r) in leads else None) for r in admitted]
+        keys = [salted(self.weight_version, r.params.cache_salt) for r in admitted]
+        got = self.prefix.admit(claims, keys, spare, self._running_sources(full=True))
+        for r, n in zip(admitted, got, strict=True):
             if id(r) in leads:
                 r.cached_tokens = n
+
+    def _running_sources(self, full: bool) -> list[Entry]:
+        """The running sequences whose KV is computed, under the weights serving now, as
+        read-only sources of the prefix cache: every token fed so far (``full``), or just
+        their prompts (an estimate that copies no lists)."""
+        return [Entry(r.row, (r.prompt_ids + r.output_ids)[: r.num_tokens - 1] if full
+                      else r.prompt_ids, salted(self.weight_version, r.params.cache_salt))
+                for r in self.scheduler.running
+                if r.output_ids and r.kv_version == self.weight_version]
+
+    def _cached_len(self, req: Request) -> int:
+        """The scheduler's estimate of how much of ``req``'s prompt the cache supplies."""
+        assert self.prefix is not None
+        key = salted(self.weight_version, req.params.cache_salt)
+        return self.prefix.cached_len(_reusable(req), key, self._running_sources(full=False))
 
     def _finishing(self, reqs: list[Request]) -> None:
         """Finished sequences whose KV was all computed under the weights serving now: kept

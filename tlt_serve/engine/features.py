@@ -30,7 +30,7 @@ def committed_features(
     feats = torch.cat(run.aux, dim=-1) if layers else run.hidden  # [F, Q, F']
     out: Committed = []
     for i, req in enumerate(batch.samplers):
-        if batch.is_prefill:
+        if i >= batch.decodes:  # admitted: its prompt
             m = len(req.prompt_ids)
             lead = batch.logit_index[i]  # siblings read their leader's row
             c = batch.forward[lead].cached_tokens  # columns [c, m) computed now

@@ -118,6 +118,12 @@ class PrefixCache:
             self.entries.pop(row, None)  # running sequences hold them now
         return got
 
+    def cached_len(self, prompt: Sequence[int], version: str,
+                   running: Sequence[Entry] = ()) -> int:
+        """How many of ``prompt``'s tokens an admission now would find cached (``admit``'s
+        count, before any admission of the step moves entries)."""
+        return self._longest(prompt, version, [*self.entries.values(), *running])[1]
+
     def _longest(self, prompt: Sequence[int], version: str,
                  sources: Sequence[Entry]) -> tuple[Entry | None, int]:
         """The source sharing the longest prefix with ``prompt`` (at most len - 1 tokens, at

@@ -58,14 +58,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunOutput:
-        """A prefill or plain decode step: logits of each forward row's last position."""
-        if batch.is_prefill:
-            # a prefix already in the row (the prefix cache) is not computed again
-            starts = [r.cached_tokens for r in batch.forward]
-            tokens = [r.prompt_ids[r.cached_tokens:] for r in batch.forward]
-        else:
-            starts = [r.num_tokens - 1 for r in batch.forward]
-            tokens = [[r.last_token] for r in batch.forward]
+        """A plain step (decode, prefill, or both in one forward): logits of each forward
+        row's last position. A decoding row feeds its last token; a prefilling row its
+        prompt from ``cached_tokens`` on (a prefix the prefix cache put in the row is not
+        computed again)."""
+        d = batch.decodes
+        starts = [r.num_tokens - 1 for r in batch.forward[:d]]
+        starts += [r.cached_tokens for r in batch.forward[d:]]
+        tokens = [[r.last_token] for r in batch.forward[:d]]
+        tokens += [r.prompt_ids[r.cached_tokens :] for r in batch.forward[d:]]
         if batch.is_prefill:
             fb, input_ids = extend_batch(
                 self.kv, batch.forward[0].row, starts, tokens, self.device, pack=True

@@ -2,9 +2,11 @@
 
 Invariant: ``running[i].row == i``. Running sequences occupy KV rows 0..N-1; when one
 finishes, the last row is moved into its place (``move_row``) so batches stay contiguous.
-Each step is either a prefill of newly admitted requests (first priority, bounded by
-``max_prefill_tokens`` padded tokens and free rows) or one decode token for every running
-request.
+Each step prefills newly admitted requests (first priority, bounded by ``max_prefill_tokens``
+padded tokens and free rows) or decodes one token for every running request; with ``mixed``
+both at once: the running requests' tokens ride along with the admitted prompts in one
+forward (as vLLM's and SGLang's mixed batches), so an arrival no longer stalls them for a
+step, while the step's padded size stays within ``MIXED_PADDING`` times the prefill budget.
 """
 
 from __future__ import annotations
@@ -23,25 +25,48 @@ from tlt_serve.sampling_params import SamplingParams
 # a step's wait from about a few dozen tokens (a prefill of 64 tokens costs about a decode step
 # of 64 rows here).
 SHARED_PREFIX = 64
+# A mixed step pads every row to the longest prompt part it computes: its rows x that length
+# stay within this many times ``max_prefill_tokens`` (what its index tensors and rotary table
+# cost grows with), else the admitted prompts prefill in a step of their own.
+MIXED_PADDING = 4
+# Where a forward pads around attention (no whole-layer kernel: fp32, CUDA, AVX2-only hosts'
+# longer rows), every decoding row of a mixed step attends as many query slots as its longest
+# prompt part: there a mixed step takes prompt parts of up to this many tokens, as a verify
+# step's rows are long.
+MIXED_PADDED_QUERIES = 16
 RowMover = Callable[[int, int, int], None]  # (src_row, dst_row, num_tokens)
 Keeper = Callable[[list[Request]], None]
+CachedLen = Callable[[Request], int]  # prompt tokens a prefix cache would supply (estimate)
 
 
 @dataclass(frozen=True)
 class ScheduledBatch:
     """One forward's worth of work.
 
-    ``forward`` requests run through the model (rows contiguous, in row order). ``samplers``
-    get one new token each; ``logit_index[i]`` is the ``forward`` entry whose last-position
-    logits ``samplers[i]`` samples from (siblings sharing a prefill read their leader's).
-    ``copies`` are (leader_row, sibling_row, length) KV copies to apply after the forward.
+    ``forward`` requests run through the model (rows contiguous, in row order): the first
+    ``decodes`` are running sequences feeding their last token, the rest prefill their
+    prompts from ``cached_tokens`` on. ``samplers`` get one new token each (the decoding ones
+    first, in the same order); ``logit_index[i]`` is the ``forward`` entry whose
+    last-position logits ``samplers[i]`` samples from (siblings sharing a prefill read their
+    leader's). ``copies`` are (leader_row, sibling_row, length) KV copies to apply after the
+    forward.
     """
 
-    is_prefill: bool
     forward: list[Request]
     samplers: list[Request]
     logit_index: list[int]
     copies: list[tuple[int, int, int]]
+    decodes: int
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether the step admits requests (their prompts prefill, beside any decodes)."""
+        return self.decodes < len(self.forward)
+
+    @property
+    def prefilling(self) -> list[Request]:
+        """The requests this step admits (the samplers after the decoding ones)."""
+        return self.samplers[self.decodes :]
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,8 @@ class Scheduler:
         move_row: RowMover,
         keep: Keeper | None = None,
         kept: Callable[[], None] | None = None,
+        cached: CachedLen | None = None,
+        mixed: int = 0,
     ) -> None:
         self.num_rows = num_rows
         self.max_len = max_len
@@ -90,6 +117,10 @@ class Scheduler:
         self.move_row = move_row
         # the prefix cache: told of the finished rows before rows move, and when they have
         self.keep, self.kept = keep, kept
+        self.cached = cached  # what the prefix cache holds of a prompt: not computed again
+        # running requests decode in the steps that admit prompt parts of up to this many
+        # tokens (0: never)
+        self.mixed = mixed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.admitting = True  # False: a drain; the waiting ones wait, the running ones run
@@ -133,12 +164,18 @@ class Scheduler:
             for r in forward)
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
+        if not self.waiting or len(self.running) >= self.num_rows:
+            return None
+        first = self._part(self.waiting[0])
+        decoding = list(self.running) if 0 < first <= self.mixed else []
+        if decoding and not self._fits(len(decoding), 1, first):
+            decoding = []  # the first prompt is too long to pad the running rows to
         forward: list[Request] = []
         samplers: list[Request] = []
         logit_index: list[int] = []
         leaders: dict[object, int] = {}  # share key → its leader's index in forward
         lead_of: dict[int, Request] = {}  # id(sibling) → the request whose prefill it shares
-        longest = 0
+        longest = 0  # the longest prompt part computed
         while self.waiting and len(self.running) < self.num_rows:
             req = self.waiting[0]
             key = self._share_key(req)
@@ -146,24 +183,37 @@ class Scheduler:
             if lead is not None and forward[lead].prompt_ids == req.prompt_ids:
                 lead_of[id(req)] = forward[lead]
                 req.cached_tokens = len(req.prompt_ids)
-                logit_index.append(lead)
+                logit_index.append(len(decoding) + lead)
             else:
-                padded = (len(forward) + 1) * max(longest, len(req.prompt_ids))
-                if forward and (padded > self.max_prefill_tokens or self._defer(req, forward)):
+                part = self._part(req)
+                if forward and (not self._fits(len(decoding), len(forward) + 1,
+                                               max(longest, part))
+                                or (decoding and part > self.mixed)
+                                or self._defer(req, forward)):
                     break
-                longest = max(longest, len(req.prompt_ids))
+                longest = max(longest, part)
                 if key is not None:
                     leaders[key] = len(forward)
-                logit_index.append(len(forward))
+                logit_index.append(len(decoding) + len(forward))
                 forward.append(req)
             self.waiting.popleft()
             req.row, req.status = len(self.running), Status.RUNNING
             self.running.append(req)
             samplers.append(req)
-        if not samplers:
-            return None
         copies = self._place_siblings(forward, samplers, lead_of)
-        return ScheduledBatch(True, forward, samplers, logit_index, copies)
+        return ScheduledBatch(decoding + forward, decoding + samplers,
+                              list(range(len(decoding))) + logit_index, copies, len(decoding))
+
+    def _part(self, req: Request) -> int:
+        """The prompt tokens a prefill of ``req`` computes: those the prefix cache lacks."""
+        return len(req.prompt_ids) - (self.cached(req) if self.cached is not None else 0)
+
+    def _fits(self, decodes: int, prefills: int, longest: int) -> bool:
+        """Whether a step of ``prefills`` prompts padded to ``longest`` tokens (beside
+        ``decodes`` running rows padded to it too) keeps within the budgets."""
+        if prefills * longest > self.max_prefill_tokens:
+            return False
+        return (decodes + prefills) * longest <= MIXED_PADDING * self.max_prefill_tokens
 
     def _place_siblings(
         self, forward: list[Request], admitted: list[Request], lead_of: dict[int, Request]
@@ -184,7 +234,7 @@ class Scheduler:
         if not self.running:
             return None
         reqs = list(self.running)
-        return ScheduledBatch(False, reqs, reqs, list(range(len(reqs))), [])
+        return ScheduledBatch(reqs, reqs, list(range(len(reqs))), [], len(reqs))
 
     # ---- results ---------------------------------------------------------------------
     def postprocess(

@@ -30,11 +30,12 @@ def first_needed(req: Request) -> int:
 def score_prompts(model: LlamaModel, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
     """Sets ``prompt_logprobs`` of every request in a prefill that asked for them; siblings
     (which share their leader's prefill) get their leader's. ``hidden`` [F, Q, H]: row f
-    holds ``batch.forward[f]``'s computed positions from its ``cached_tokens`` on."""
+    holds ``batch.forward[f]``'s computed positions from its ``cached_tokens`` on (a row
+    decoding beside them holds one position, and was scored when it was admitted)."""
     for f, req in enumerate(batch.forward):
-        if req.params.scores_prompt:
+        if f >= batch.decodes and req.params.scores_prompt:
             req.prompt_logprobs = _score(model, req, hidden[f])
-    for i, req in enumerate(batch.samplers):
+    for i, req in enumerate(batch.prefilling, start=batch.decodes):
         if req.params.scores_prompt and req.prompt_logprobs is None:
             req.prompt_logprobs = batch.forward[batch.logit_index[i]].prompt_logprobs
 

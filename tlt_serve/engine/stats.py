@@ -69,6 +69,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_steps: int = 0
+    mixed_steps: int = 0  # prefill steps that decoded running sequences too
     decode_steps: int = 0
     decode_batch_size: int = 0  # sequences in the last decode step
     spec: SpecCounts = field(default_factory=SpecCounts)  # all verify steps
@@ -107,6 +108,7 @@ class EngineStats:
             self.recent_spec.append((accepted, verifies))
         if batch.is_prefill:
             self.prefill_steps += 1
+            self.mixed_steps += batch.decodes > 0
         else:
             self.decode_steps += 1
             self.decode_batch_size = len(batch.samplers)

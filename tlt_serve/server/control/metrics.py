@@ -71,6 +71,8 @@ class _SnapshotCollector:
         yield _gauge("prefix_cache_entries", "Finished sequences whose KV is kept for reuse.",
                      s.prefix_entries, model)
         yield _counter("prefill_steps", "Prefill forwards.", s.prefill_steps, model)
+        yield _counter("mixed_steps", "Prefill forwards that decoded running sequences too.",
+                       s.mixed_steps, model)
         yield _counter("decode_steps", "Decode forwards (plain and verify).", s.decode_steps,
                        model)
         yield _gauge("num_requests_running", "Sequences holding a KV row.", s.running, model)
