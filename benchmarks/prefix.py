@@ -7,7 +7,8 @@ configurations side by side, all through the OpenAI routes (so vLLM's own server
            (``/v1/completions`` with token ids), as slime sends a GRPO group.
 
 Configurations (``--configs``): ``native`` (the native engine, prefix cache on, its default),
-``native-nocache`` (``--no-prefix-cache``), ``native-auto`` / ``native-auto-drafter``
+``native-nocache`` (``--no-prefix-cache``), ``native-nomix`` (``--no-mixed-steps``: admitted
+prompts prefill in steps of their own), ``native-auto`` / ``native-auto-drafter``
 (``--speculative auto``, the second with ``--drafter``), ``native-capture`` /
 ``native-capture-nocache`` (the same capturing drafter training samples, ``--capture``: the
 cache keeps every position's features beside the KV), ``vllm`` / ``vllm-nocache`` (the same
@@ -41,6 +42,7 @@ from benchmarks.common.results import grouped_bars, names, pyplot, report, save,
 from benchmarks.common.servers import VLLM_SERVED_NAME, running_server, running_vllm
 
 CONFIGS = {"native": [], "native-nocache": ["--no-prefix-cache"],
+           "native-nomix": ["--no-mixed-steps"],
            "native-auto": ["--speculative", "auto"],
            "native-auto-drafter": ["--speculative", "auto"],  # + --drafter
            "native-capture": ["--capture"],
