@@ -98,6 +98,8 @@ class Engine:
         )
         # row → (tokens whose KV it holds, its cache key)
         self._finishing_rows: dict[int, tuple[list[int], str]] = {}
+        # the running sources the scheduler's estimates read, gathered once per schedule
+        self._estimate_sources: list[Entry] | None = None
         self.sampler = Sampler(config.seed)
         self.grammars = Grammars(self.tokenizer.hf, self.vocab_size)
         self.stats = EngineStats()
@@ -217,8 +219,10 @@ class Engine:
     def _cached_len(self, req: Request) -> int:
         """The scheduler's estimate of how much of ``req``'s prompt the cache supplies."""
         assert self.prefix is not None
+        if self._estimate_sources is None:  # the step's admissions are not sources: no change
+            self._estimate_sources = self._running_sources(full=False)
         key = salted(self.weight_version, req.params.cache_salt)
-        return self.prefix.cached_len(_reusable(req), key, self._running_sources(full=False))
+        return self.prefix.cached_len(_reusable(req), key, self._estimate_sources)
 
     def _finishing(self, reqs: list[Request]) -> None:
         """Finished sequences whose KV was all computed under the weights serving now: kept
@@ -242,6 +246,7 @@ class Engine:
         scores every request's last token plus its drafts, and verification commits the
         accepted drafts plus one token per request.
         """
+        self._estimate_sources = None
         batch = self.scheduler.schedule()
         if batch is None:
             return []

@@ -185,7 +185,7 @@ class Scheduler:
                 req.cached_tokens = len(req.prompt_ids)
                 logit_index.append(len(decoding) + lead)
             else:
-                part = self._part(req)
+                part = self._part(req) if samplers else first
                 if forward and (not self._fits(len(decoding), len(forward) + 1,
                                                max(longest, part))
                                 or (decoding and part > self.mixed)

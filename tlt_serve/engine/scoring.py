@@ -32,8 +32,8 @@ def score_prompts(model: LlamaModel, batch: ScheduledBatch, hidden: torch.Tensor
     (which share their leader's prefill) get their leader's. ``hidden`` [F, Q, H]: row f
     holds ``batch.forward[f]``'s computed positions from its ``cached_tokens`` on (a row
     decoding beside them holds one position, and was scored when it was admitted)."""
-    for f, req in enumerate(batch.forward):
-        if f >= batch.decodes and req.params.scores_prompt:
+    for f, req in enumerate(batch.forward[batch.decodes :], start=batch.decodes):
+        if req.params.scores_prompt:
             req.prompt_logprobs = _score(model, req, hidden[f])
     for i, req in enumerate(batch.prefilling, start=batch.decodes):
         if req.params.scores_prompt and req.prompt_logprobs is None:

@@ -108,7 +108,7 @@ class EngineStats:
             self.recent_spec.append((accepted, verifies))
         if batch.is_prefill:
             self.prefill_steps += 1
-            self.mixed_steps += batch.decodes > 0
+            self.mixed_steps += int(batch.decodes > 0)
         else:
             self.decode_steps += 1
             self.decode_batch_size = len(batch.samplers)
