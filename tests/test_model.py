@@ -23,7 +23,13 @@ from tlt_serve.kernels import (
     own_avx512_bf16,
 )
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
-from tlt_serve.models.llama import MATVEC_ROWS, DecoderLayer, Linear, set_cpu_kernels
+from tlt_serve.models.llama import (
+    MATVEC_ROWS,
+    DecoderLayer,
+    Linear,
+    LlamaModel,
+    set_cpu_kernels,
+)
 from tlt_serve.models.loader import WeightError, build_model, iter_safetensors, load_weights
 
 
@@ -573,6 +579,21 @@ def test_attention_kernel_in_the_model_matches_sdpa(tiny_model_dir) -> None:
     torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.05)
 
 
+Step = tuple[list[int], list[list[int]], bool]  # (starts, tokens per row, packed)
+
+
+def _paired_steps(models: list[LlamaModel]) -> tuple[list[KVCache], list[Step]]:
+    """A bf16 cache of 3 rows for each model, and the steps they run side by side: a prefill
+    of prompts of different lengths (padded rows), a decode step, a packed verify step of
+    ragged drafts."""
+    caches = [KVCache(m.cfg, rows=3, max_len=32, dtype=torch.bfloat16) for m in models]
+    g = torch.Generator().manual_seed(0)
+    V = models[0].cfg.vocab_size
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    return caches, [([0, 0, 0], prompts, False), ([5, 9, 2], [[1], [2], [3]], False),
+                    ([6, 10, 3], [[4, 5, 6], [7], [8, 9]], True)]
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("own_rows", [MATVEC_ROWS, 4])
 def test_whole_layer_kernel_gives_the_op_by_op_layers_bits(tiny_model_dir, own_rows) -> None:
@@ -602,15 +623,7 @@ def test_whole_layer_kernel_gives_the_op_by_op_layers_bits(tiny_model_dir, own_r
 
     for m in layers:
         m.kernel = counted
-    caches = [KVCache(m.cfg, rows=3, max_len=32, dtype=torch.bfloat16) for m in models]
-    g = torch.Generator().manual_seed(0)
-    V = models[0].cfg.vocab_size
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 9, 2)]
-    steps = [
-        ([0, 0, 0], prompts, False),  # prefill: padded rows, not packed
-        ([5, 9, 2], [[1], [2], [3]], False),  # decode
-        ([6, 10, 3], [[4, 5, 6], [7], [8, 9]], True),  # verify: packed ragged rows
-    ]
+    caches, steps = _paired_steps(models)
     for starts, tokens, pack in steps:
         hidden = []
         for model, kv in zip(models, caches, strict=True):
@@ -623,6 +636,57 @@ def test_whole_layer_kernel_gives_the_op_by_op_layers_bits(tiny_model_dir, own_r
     ends = [s + len(t) for s, t in zip(steps[-1][0], steps[-1][1], strict=True)]
     for b, end in enumerate(ends):  # [layers, 2, rows, kvH, max_len + 1, D]
         assert torch.equal(caches[0].storage[:, :, b, :, :end], caches[1].storage[:, :, b, :, :end])
+
+
+@torch.inference_mode()
+def test_layer_stack_gives_the_layer_kernels_bits(tiny_model_dir) -> None:
+    """Every layer in one call (``LayerStack``) against the same layers called one by one
+    through the whole-layer kernel: a padded prefill, a decode step with two aux layers, a
+    packed ragged verify step and a draft tree. The same bits in every real position's hidden
+    state, every aux output and every cache entry; the stack ran each step."""
+    from tlt_serve.engine.draft_tree import DraftTree
+    from tlt_serve.engine.runner import extend_batch
+
+    own_kernels()
+    models = [build_model(tiny_model_dir, torch.bfloat16, 64, cpu_kernels=True) for _ in range(2)]
+    assert models[0].stack is not None and models[0].kernels is not None
+    stack = models[0].stack
+    runs: list[int] = []
+
+    def counted(x: torch.Tensor, *args: object) -> list[torch.Tensor]:
+        runs.append(x.shape[0])
+        return stack.kernel(x, *args)
+
+    models[0].stack = replace(stack, kernel=counted)
+    models[1].stack = None  # the layers one by one, each through the whole-layer kernel
+    assert all(m.kernel is not None for m in models[1].modules() if isinstance(m, DecoderLayer))
+    caches, steps = _paired_steps(models)
+    aux = (0, models[0].cfg.num_layers - 1)
+    for starts, tokens, pack in steps:
+        outs = []
+        for model, kv in zip(models, caches, strict=True):
+            batch, ids = extend_batch(kv, 0, starts, tokens, pack=pack)
+            outs.append(model(ids, batch, kv.layers, aux_layers=aux))
+        for b, t in enumerate(tokens):
+            for h0, h1 in zip((outs[0].hidden, *outs[0].aux), (outs[1].hidden, *outs[1].aux),
+                              strict=True):
+                assert torch.equal(h0[b, : len(t)], h1[b, : len(t)]), (starts, b)
+        assert len(outs[0].aux) == len(aux)
+    # draft trees over the three rows (root + nodes), packed: a root with two children and
+    # a grandchild, a chain of two, a single node
+    trees = [DraftTree((11, 12, 13), (0, 0, 1)), DraftTree((14, 15), (0, 1)),
+             DraftTree((16,), (0,))]
+    tokens = [[1, 11, 12, 13], [2, 14, 15], [3, 16]]
+    trees_out = []
+    for model, kv in zip(models, caches, strict=True):
+        batch, ids = extend_batch(kv, 0, [9, 11, 5], tokens, trees=trees, pack=True)
+        assert batch.tree_bits is not None
+        trees_out.append(model(ids, batch, kv.layers).hidden)
+    for b, t in enumerate(tokens):
+        assert torch.equal(trees_out[0][b, : len(t)], trees_out[1][b, : len(t)]), b
+    assert runs == [3 * 9, 3, 6, 9]
+    for b in range(3):  # [layers, 2, rows, kvH, max_len + 1, D]
+        assert torch.equal(caches[0].storage[:, :, b, :, :16], caches[1].storage[:, :, b, :, :16])
 
 
 @torch.inference_mode()  # as the engine runs: the kernel is only used without autograd

@@ -5,9 +5,10 @@ and the attention's scores take AVX512-BF16 dot products where the CPU has them,
 product AMX tiles where it has those, ``amx_product.cpp``): the bf16
 matrix × rows product, the RMSNorm, the attention of query tokens over their rows' caches
 (decode, verify, draft trees; prefills where the scores take dot products), all of them as one
-whole decoder layer (``decoder_layer.cpp``), and the log-softmax parts and rank of scored
-tokens (prompt logprobs, any dtype). ``sampling_kernels()`` returns those of ``sampling.cpp``:
-a token per row of fp32 logits and its logprob, in two passes over the row. Either is None when
+whole decoder layer and as every layer of a model in one call (``decoder_layer.cpp``), and the
+log-softmax parts and rank of scored tokens (prompt logprobs, any dtype).
+``sampling_kernels()`` returns those of ``sampling.cpp``: a token per row of fp32 logits and
+its logprob, in two passes over the row. Either is None when
 they cannot be had (no AVX2/FMA, no compiler, build failure, or ``TLT_SERVE_NO_KERNELS=1``);
 callers then use torch's own kernels, so nothing depends on them for correctness.
 
@@ -52,6 +53,11 @@ RowAttention = Callable[
 # empty, qkv, o, post norm, gate_up, down weights, eps, k_cache, v_cache, rope [B*Q, 2, D],
 # slots [R], lens [B*Q], tree bits [B*Q] or empty, row_lo, Q, heads, scale) → x [R, H]
 LayerKernel = Callable[..., torch.Tensor]
+# Every layer in one call (decoder_layer.cpp): (x [R, H], 8 tensors per layer (input norm
+# weight, qkv, o, post norm, gate_up, down, k_cache, v_cache), eps, rope, slots, lens, tree
+# bits, row_lo, Q, heads, scale, 4 row limits per layer, aux layer indices) → [x [R, H] after
+# the last layer, then after each aux layer]
+StackKernel = Callable[..., list[torch.Tensor]]
 # (logits [C, V] fp32, targets [C] long) → each row's maximum m [C] and log(sum(exp(x - m))) [C]
 #   (fp32: a logprob is (x - m) - that, as torch's log-softmax) and its target's rank [C] long
 #   (1 + how many logits of the row are larger), in two passes over the row
@@ -166,6 +172,9 @@ class CpuKernels:
     # A whole decoder layer in one call, built on this module's product, norm and attention:
     # a copy that replaces any of them (an A/B) must drop it too.
     layer: LayerKernel | None = None
+    # Every layer of a model in one call (the layer kernel's bits): a copy that drops
+    # ``layer`` must drop it too.
+    stack: StackKernel | None = None
 
     def rows_for(self, weight: torch.Tensor) -> int:
         """Most rows the own product takes for ``weight`` [N, K]; more go to torch's."""
@@ -219,6 +228,7 @@ def cpu_kernels() -> CpuKernels | None:
     return CpuKernels(
         module.gemv_bf16, module.rms_norm_bf16, module.attention_bf16, rows, large, layer,
         attention_queries=queries, layer=module.decoder_layer_bf16,
+        stack=module.decoder_stack_bf16,
     )
 
 

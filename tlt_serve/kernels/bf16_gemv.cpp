@@ -973,4 +973,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention on the AVX2 path only (the bits of attention_bf16_widened; for comparisons)");
   m.def("decoder_layer_bf16", &decoder_layer_bf16,
         "one decoder layer for rows of a few causal query tokens (decoder_layer.cpp)");
+  m.def("decoder_stack_bf16", &decoder_stack_bf16,
+        "every decoder layer of a model in one call, as decoder_layer_bf16 computes each; the "
+        "GIL released while it runs (decoder_layer.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

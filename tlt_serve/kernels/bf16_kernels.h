@@ -124,6 +124,12 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
                                  const torch::Tensor& lens, const torch::Tensor& bits,
                                  int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
                                  const std::vector<int64_t>& own_rows);
+// Every layer of a model in one call (decoder_layer.cpp): 8 tensors per layer in weights.
+std::vector<torch::Tensor> decoder_stack_bf16(
+    const torch::Tensor& x, const std::vector<torch::Tensor>& weights, double eps,
+    const torch::Tensor& rope, const torch::Tensor& slots, const torch::Tensor& lens,
+    const torch::Tensor& bits, int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
+    const std::vector<int64_t>& own_rows, const std::vector<int64_t>& aux);
 // Sampling (sampling.cpp): a token per row (greedy rows the first maximum, the others the
 // inverse CDF at u) and its logprob at the row's temperature; the logprobs of given tokens;
 // per row of scored logits its maximum, log-sum and the target's rank.

@@ -6,7 +6,7 @@
 // has them) above it, as the op-by-op path's Linear does.
 // Every value is rounded as the op-by-op torch path rounds it (the same kernels for products,
 // norms and attention, torch's own silu, bf16 after each elementwise op), so the result is
-// the same bits (tests/test_model.py).
+// the same bits (tests/test_model.py). decoder_stack_bf16 runs every layer of a model so.
 #include "bf16_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -47,6 +47,105 @@ torch::Tensor product(const torch::Tensor& weight, const torch::Tensor& x, int64
   return x.size(0) <= own_rows ? gemv_bf16_impl(weight, x, true, kProductBest) : at::linear(x, weight);
 }
 
+// Where each token of a step goes, the same for every layer: its cache row, the keys it sees,
+// its tree bits and the column its own K/V take.
+struct TokenPlan {
+  torch::Tensor slots;  // [R] long (kept alive: sv points into it)
+  const int64_t* sv = nullptr;
+  std::vector<int64_t> rows, keys, bits, cols;
+  int64_t T = 0, Q = 1;
+};
+
+// slots [R]; lens [T]; bits [T] or empty; caches [S, kvH, L, D].
+TokenPlan plan_tokens(int64_t R, const torch::Tensor& k_cache, const torch::Tensor& rope,
+                      const torch::Tensor& slots_in, const torch::Tensor& lens_in,
+                      const torch::Tensor& bits_in, int64_t row_lo, int64_t Q) {
+  const int64_t D = k_cache.size(3), L = k_cache.size(2);
+  TORCH_CHECK(rope.dim() == 3 && rope.is_contiguous() && rope.scalar_type() == at::kBFloat16 &&
+              rope.size(1) == 2 && rope.size(2) == D, "rope must be contiguous [T, 2, D] bf16");
+  TokenPlan plan;
+  plan.slots = slots_in.to(at::kLong).contiguous();
+  const auto lens = lens_in.to(at::kLong).contiguous();
+  plan.T = rope.size(0);
+  plan.Q = Q;
+  TORCH_CHECK(plan.slots.numel() == R && lens.numel() == plan.T && Q >= 1 && plan.T % Q == 0,
+              "slots must be [R], lens [T] with T = B * Q");
+  const auto all_bits = tree_bits(bits_in, lens);
+  const int64_t *sv = plan.slots.data_ptr<int64_t>(), *lv = lens.data_ptr<int64_t>();
+  const int64_t* abv = all_bits.numel() ? all_bits.data_ptr<int64_t>() : nullptr;
+  plan.sv = sv;
+  plan.rows.resize(static_cast<size_t>(R));
+  plan.keys.resize(static_cast<size_t>(R));
+  plan.cols.resize(static_cast<size_t>(R));
+  if (abv != nullptr) plan.bits.resize(static_cast<size_t>(R));
+  for (int64_t t = 0; t < R; ++t) {
+    TORCH_CHECK(sv[t] >= 0 && sv[t] < plan.T, "slots out of range");
+    const int64_t row = row_lo + sv[t] / Q, n = lv[sv[t]];
+    TORCH_CHECK(row >= 0 && row < k_cache.size(0) && n >= 0 && n <= L, "rows or lens out of range");
+    plan.rows[static_cast<size_t>(t)] = row;
+    plan.keys[static_cast<size_t>(t)] = n;
+    // Its own K/V go to its last visible column: n - 1, or a tree node's highest set bit.
+    const uint64_t b = abv != nullptr ? static_cast<uint64_t>(abv[sv[t]]) : 0;
+    if (abv != nullptr) plan.bits[static_cast<size_t>(t)] = static_cast<int64_t>(b);
+    plan.cols[static_cast<size_t>(t)] =
+        b == 0 ? n - 1 : n - __builtin_popcountll(b) + 63 - __builtin_clzll(b);
+  }
+  return plan;
+}
+
+// One layer over the planned tokens (see decoder_layer_bf16).
+torch::Tensor layer_body(const torch::Tensor& x, const torch::Tensor& in_norm,
+                         const torch::Tensor& qkv_w, const torch::Tensor& o_w,
+                         const torch::Tensor& post_norm, const torch::Tensor& gate_up_w,
+                         const torch::Tensor& down_w, double eps, const torch::Tensor& k_cache,
+                         const torch::Tensor& v_cache, const torch::Tensor& rope,
+                         const TokenPlan& plan, int64_t num_heads, double scale,
+                         const int64_t* own_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "x must be contiguous [R, H] bf16");
+  const int64_t R = x.size(0), kvH = k_cache.size(1), D = k_cache.size(3), L = k_cache.size(2);
+  TORCH_CHECK(num_heads % kvH == 0, "num_heads must be a multiple of the KV heads");
+  const int64_t G = num_heads / kvH, width = (num_heads + 2 * kvH) * D;
+  check_caches(k_cache, v_cache, kvH, G, D);
+  TORCH_CHECK(qkv_w.size(0) == width, "qkv weight has ", qkv_w.size(0), " rows, expected ", width);
+  TORCH_CHECK(static_cast<int64_t>(plan.rows.size()) == R, "x has ", R, " rows, the plan ",
+              plan.rows.size());
+  const int64_t* sv = plan.sv;
+
+  // Attention block: norm, qkv, rotary, K/V into the cache, attention, o, residual.
+  const auto h = in_norm.numel() ? rms_norm_bf16(x, in_norm, eps) : x;
+  auto qkv = product(qkv_w, h, own_rows[0]);  // [R, (heads + 2 kvH) D]
+  uint16_t* qv = bf16_data(qkv);
+  uint16_t* kc = bf16_data(k_cache);
+  uint16_t* vc = bf16_data(v_cache);
+  const uint16_t* cs = bf16_data(rope);
+  // Tokens write distinct cache columns: split over the threads from a few rows on.
+  at::parallel_for(0, R, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      uint16_t* tok = qv + t * width;
+      const uint16_t* cos = cs + sv[t] * 2 * D;
+      for (int64_t hd = 0; hd < num_heads + kvH; ++hd) rotate(tok + hd * D, cos, cos + D, D);
+      const int64_t col = plan.cols[static_cast<size_t>(t)], row = plan.rows[static_cast<size_t>(t)];
+      for (int64_t hd = 0; hd < kvH && col >= 0; ++hd) {  // a padding token writes no K/V
+        const int64_t at = ((row * kvH + hd) * L + col) * D;
+        std::memcpy(kc + at, tok + (num_heads + hd) * D, D * sizeof(uint16_t));
+        std::memcpy(vc + at, tok + (num_heads + kvH + hd) * D, D * sizeof(uint16_t));
+      }
+    }
+  });
+  auto attn = torch::empty({R, num_heads * D}, x.options());
+  attend_tokens(qv, width, kc, vc, plan.rows.data(), plan.keys.data(),
+                plan.bits.empty() ? nullptr : plan.bits.data(), R, kvH, G, D, L, scale,
+                bf16_data(attn), num_heads * D);
+  const auto x1 = add_bf16(x, product(o_w, attn, own_rows[1]));
+
+  // MLP block: norm, gate/up, silu(gate) * up (torch's ops), down, residual.
+  const auto gu = product(gate_up_w, rms_norm_bf16(x1, post_norm, eps), own_rows[2]);
+  const int64_t I = gu.size(1) / 2;
+  const auto act = (at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I)).contiguous();
+  return add_bf16(x1, product(down_w, act, own_rows[3]));
+}
+
 }  // namespace
 
 // x [R, H] bf16: the residual stream of R real tokens; in_norm [H] (empty: identity, a
@@ -67,68 +166,47 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
                                  int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
                                  const std::vector<int64_t>& own_rows) {
   TORCH_CHECK(own_rows.size() == 4, "own_rows must hold 4 row limits (qkv, o, gate_up, down)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "x must be contiguous [R, H] bf16");
-  const int64_t R = x.size(0), kvH = k_cache.size(1), D = k_cache.size(3), L = k_cache.size(2);
-  TORCH_CHECK(num_heads % kvH == 0, "num_heads must be a multiple of the KV heads");
-  const int64_t G = num_heads / kvH, width = (num_heads + 2 * kvH) * D;
-  check_caches(k_cache, v_cache, kvH, G, D);
-  TORCH_CHECK(qkv_w.size(0) == width, "qkv weight has ", qkv_w.size(0), " rows, expected ", width);
-  TORCH_CHECK(rope.dim() == 3 && rope.is_contiguous() && rope.scalar_type() == at::kBFloat16 &&
-              rope.size(1) == 2 && rope.size(2) == D, "rope must be contiguous [T, 2, D] bf16");
-  const auto slots = slots_in.to(at::kLong).contiguous();
-  const auto lens = lens_in.to(at::kLong).contiguous();
-  const int64_t T = rope.size(0);
-  TORCH_CHECK(slots.numel() == R && lens.numel() == T && Q >= 1 && T % Q == 0,
-              "slots must be [R], lens [T] with T = B * Q");
-  const auto all_bits = tree_bits(bits_in, lens);
-  const int64_t *sv = slots.data_ptr<int64_t>(), *lv = lens.data_ptr<int64_t>();
-  const int64_t* abv = all_bits.numel() ? all_bits.data_ptr<int64_t>() : nullptr;
-  std::vector<int64_t> rows(static_cast<size_t>(R)), keys(static_cast<size_t>(R));
-  std::vector<int64_t> bits(abv != nullptr ? static_cast<size_t>(R) : 0), cols(static_cast<size_t>(R));
-  for (int64_t t = 0; t < R; ++t) {
-    TORCH_CHECK(sv[t] >= 0 && sv[t] < T, "slots out of range");
-    const int64_t row = row_lo + sv[t] / Q, n = lv[sv[t]];
-    TORCH_CHECK(row >= 0 && row < k_cache.size(0) && n >= 0 && n <= L, "rows or lens out of range");
-    rows[static_cast<size_t>(t)] = row;
-    keys[static_cast<size_t>(t)] = n;
-    // Its own K/V go to its last visible column: n - 1, or a tree node's highest set bit.
-    const uint64_t b = abv != nullptr ? static_cast<uint64_t>(abv[sv[t]]) : 0;
-    if (abv != nullptr) bits[static_cast<size_t>(t)] = static_cast<int64_t>(b);
-    cols[static_cast<size_t>(t)] =
-        b == 0 ? n - 1 : n - __builtin_popcountll(b) + 63 - __builtin_clzll(b);
+  TORCH_CHECK(x.dim() == 2, "x must be contiguous [R, H] bf16");
+  TORCH_CHECK(k_cache.dim() == 4, "caches must be equal contiguous 4-D bf16");
+  const auto plan = plan_tokens(x.size(0), k_cache, rope, slots_in, lens_in, bits_in, row_lo, Q);
+  return layer_body(x, in_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, eps, k_cache, v_cache,
+                    rope, plan, num_heads, scale, own_rows.data());
+}
+
+// Every layer of a model in one call, each as decoder_layer_bf16 computes it (the same bits):
+// at batch 1 the Python around 30 layer calls (arguments gathered, views made, the call bound)
+// cost ~1-3 ms of a ~17 ms step on the 2-vCPU AMX Xeon, and it ran between the layers' weight
+// streams. weights: kStackTensors per layer (in_norm, qkv, o, post_norm, gate_up, down, K
+// cache, V cache); own_rows: 4 per layer; aux: layer indices whose output is also returned.
+// Returns [the last layer's output, then each aux layer's, in aux's order].
+std::vector<torch::Tensor> decoder_stack_bf16(
+    const torch::Tensor& x, const std::vector<torch::Tensor>& weights, double eps,
+    const torch::Tensor& rope, const torch::Tensor& slots_in, const torch::Tensor& lens_in,
+    const torch::Tensor& bits_in, int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
+    const std::vector<int64_t>& own_rows, const std::vector<int64_t>& aux) {
+  constexpr size_t kStackTensors = 8;
+  TORCH_CHECK(!weights.empty() && weights.size() % kStackTensors == 0,
+              "weights must hold 8 tensors per layer");
+  const size_t layers = weights.size() / kStackTensors;
+  TORCH_CHECK(own_rows.size() == 4 * layers, "own_rows must hold 4 row limits per layer");
+  TORCH_CHECK(x.dim() == 2, "x must be contiguous [R, H] bf16");
+  const auto& k0 = weights[6];
+  TORCH_CHECK(k0.dim() == 4, "caches must be equal contiguous 4-D bf16");
+  for (size_t i = 1; i < layers; ++i)
+    TORCH_CHECK(weights[i * kStackTensors + 6].sizes() == k0.sizes(),
+                "every layer's caches must have the first layer's shape");
+  const auto plan = plan_tokens(x.size(0), k0, rope, slots_in, lens_in, bits_in, row_lo, Q);
+  std::vector<torch::Tensor> out(1 + aux.size());
+  torch::Tensor h = x;
+  for (size_t i = 0; i < layers; ++i) {
+    const torch::Tensor* w = &weights[i * kStackTensors];
+    h = layer_body(h, w[0], w[1], w[2], w[3], w[4], w[5], eps, w[6], w[7], rope, plan, num_heads,
+                   scale, own_rows.data() + 4 * i);
+    for (size_t a = 0; a < aux.size(); ++a)
+      if (aux[a] == static_cast<int64_t>(i)) out[1 + a] = h;
   }
-
-  // Attention block: norm, qkv, rotary, K/V into the cache, attention, o, residual.
-  const auto h = in_norm.numel() ? rms_norm_bf16(x, in_norm, eps) : x;
-  auto qkv = product(qkv_w, h, own_rows[0]);  // [R, (heads + 2 kvH) D]
-  uint16_t* qv = bf16_data(qkv);
-  uint16_t* kc = bf16_data(k_cache);
-  uint16_t* vc = bf16_data(v_cache);
-  const uint16_t* cs = bf16_data(rope);
-  // Tokens write distinct cache columns: split over the threads from a few rows on.
-  at::parallel_for(0, R, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      uint16_t* tok = qv + t * width;
-      const uint16_t* cos = cs + sv[t] * 2 * D;
-      for (int64_t hd = 0; hd < num_heads + kvH; ++hd) rotate(tok + hd * D, cos, cos + D, D);
-      const int64_t col = cols[static_cast<size_t>(t)], row = rows[static_cast<size_t>(t)];
-      for (int64_t hd = 0; hd < kvH && col >= 0; ++hd) {  // a padding token writes no K/V
-        const int64_t at = ((row * kvH + hd) * L + col) * D;
-        std::memcpy(kc + at, tok + (num_heads + hd) * D, D * sizeof(uint16_t));
-        std::memcpy(vc + at, tok + (num_heads + kvH + hd) * D, D * sizeof(uint16_t));
-      }
-    }
-  });
-  auto attn = torch::empty({R, num_heads * D}, x.options());
-  attend_tokens(qv, width, kc, vc, rows.data(), keys.data(), bits.empty() ? nullptr : bits.data(),
-                R, kvH, G, D, L, scale,
-                bf16_data(attn), num_heads * D);
-  const auto x1 = add_bf16(x, product(o_w, attn, own_rows[1]));
-
-  // MLP block: norm, gate/up, silu(gate) * up (torch's ops), down, residual.
-  const auto gu = product(gate_up_w, rms_norm_bf16(x1, post_norm, eps), own_rows[2]);
-  const int64_t I = gu.size(1) / 2;
-  const auto act = (at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I)).contiguous();
-  return add_bf16(x1, product(down_w, act, own_rows[3]));
+  out[0] = h;
+  for (size_t a = 0; a < aux.size(); ++a)
+    TORCH_CHECK(out[1 + a].defined(), "aux layer ", aux[a], " is not a layer of the stack");
+  return out;
 }

@@ -28,6 +28,7 @@ from tlt_serve.kernels import (
 )
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.batch import ForwardBatch, unpack
+from tlt_serve.models.layer_stack import LayerStack
 from tlt_serve.models.rope import apply_rope, cos_sin_table
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # K, V, each [S, kvH, L+1, D]
@@ -311,6 +312,7 @@ class LlamaModel(nn.Module):
             "rope_table", cos_sin_table(cfg.rope, cfg.head_dim, max_positions), persistent=False
         )
         self.kernels: CpuKernels | None = None  # the own kernels in use (set_cpu_kernels)
+        self.stack: LayerStack | None = None  # every layer in one call (set_cpu_kernels)
 
     def forward(
         self,
@@ -330,16 +332,31 @@ class LlamaModel(nn.Module):
             x = self.embed_tokens(input_ids)  # [B, Q, H]
         table: torch.Tensor = self.rope_table  # type: ignore[assignment]  # a registered buffer
         rope = table[batch.positions].to(x.dtype)  # [B, Q, 2, D] (cos, sin)
-        aux = []
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, DecoderLayer)
-            run = layer if layer_fn is None else partial(layer_fn, layer)
-            x = run(x, rope, batch, kv_layers[i])
-            if i in aux_layers:
-                aux.append(x)
+        if layer_fn is None and self._stack_fits(x, batch, kv_layers):
+            assert self.stack is not None
+            x, aux = self.stack.run(x, rope, batch, kv_layers, aux_layers)
+        else:
+            aux = []
+            for i, layer in enumerate(self.layers):
+                assert isinstance(layer, DecoderLayer)
+                run = layer if layer_fn is None else partial(layer_fn, layer)
+                x = run(x, rope, batch, kv_layers[i])
+                if i in aux_layers:
+                    aux.append(x)
         return ModelOutput(
             hidden=batch.unpack(self.norm(x)), aux=tuple(batch.unpack(a) for a in aux)
         )
+
+    def _stack_fits(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_layers: Sequence[KVLayer]
+    ) -> bool:
+        """Whether every layer takes the whole-layer kernel this step (they are alike: one
+        decides for all), which the stack then runs in one call."""
+        if self.stack is None:
+            return False
+        first = self.layers[0]
+        assert isinstance(first, DecoderLayer)
+        return first.kernel is self.stack.layer and first._kernel_fits(x, batch, kv_layers[0])
 
     def packed_queries(self) -> int:
         """The most query tokens per row a step runs packed end to end (the whole-layer
@@ -388,11 +405,39 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
                               for p in products]
             m.kernel_rows = max(min(m.product_rows),
                                 MATVEC_ROWS if kernels is None else kernels.layer_rows)
+    if isinstance(module, LlamaModel):
+        module.stack = _layer_stack(module, kernels)
     if isinstance(module, LlamaModel) and kernels is not None:
         # The head keeps ``matvec_rows`` whatever its size: at 33-64 rows its limit bought
         # nothing measurable on the default model (28M weights), and a verify step's logits
         # then take the own product as far as a decode step's (bf16 speculation bit-exact).
         module.lm_head.matvec_rows = kernels.matvec_rows
+
+
+def _layer_stack(model: LlamaModel, kernels: CpuKernels | None) -> LayerStack | None:
+    """Every layer in one call, where every layer runs the whole-layer kernel."""
+    layers = [m for m in model.layers if isinstance(m, DecoderLayer)]
+    if kernels is None or kernels.stack is None or kernels.layer is None or not all(
+        m.kernel is kernels.layer and isinstance(m.input_layernorm, RMSNorm) for m in layers
+    ):
+        return None
+    attn, post = layers[0].self_attn, layers[0].post_attention_layernorm
+    if any(m.post_attention_layernorm.eps != post.eps for m in layers):
+        return None
+    weights = tuple(
+        (_norm_weight(m.input_layernorm), m.self_attn.qkv_proj.weight, m.self_attn.o_proj.weight,
+         m.post_attention_layernorm.weight, m.mlp.gate_up_proj.weight, m.mlp.down_proj.weight)
+        for m in layers
+    )
+    return LayerStack(
+        kernels.stack, kernels.layer, weights, tuple(r for m in layers for r in m.product_rows),
+        post.eps, attn.cfg.num_heads, attn.cfg.head_dim, attn.scale,
+    )
+
+
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    assert isinstance(norm, RMSNorm)
+    return norm.weight
 
 
 def _attention_fits(m: Attention) -> bool:
