@@ -128,10 +128,11 @@ MATVEC_ROWS_LARGE = 32
 # Most rows the whole-layer kernel takes where torch's bf16 GEMM runs on AMX tiles: above
 # the own product's limit its products are torch's, the ~35 ops around them still one call.
 # On the AMX Xeon: decoding x1.10 / x1.06 as fast at 64 / 128 sequences as with the layer
-# kernel up to 32 rows (``--configs layer32``); prefills of 64-2048 tokens within x0.93-1.07
-# of op by op, and a whole-prompt limit (4096) x1.06-1.10 slower at 1 x 1024 and 4 x 256
-# tokens (the kernel's elementwise loops run on one thread).
-LAYER_ROWS_AMX = 256
+# kernel up to 32 rows (``--configs layer32``). Prefills: once its rotation and residual adds
+# were split over the threads, whole prompts (up to 4096 tokens a step) took x0.93-1.00 the
+# time of a 256-row limit (``benchmarks.kernels prefill --configs layer4096``: 64 x 128,
+# 1 x 2048 and 16 x 512 tokens, five rounds).
+LAYER_ROWS_AMX = 4096
 # Most query tokens per row the own attention takes; longer rows (prefill) go to torch's SDPA,
 # which tiles them. The own attention computes each (query, KV head) alone over exactly the
 # keys it sees, its rows' keys and values staying in cache for the next query. With the
