@@ -53,22 +53,23 @@ struct TokenPlan {
   torch::Tensor slots;  // [R] long (kept alive: sv points into it)
   const int64_t* sv = nullptr;
   std::vector<int64_t> rows, keys, bits, cols;
-  int64_t T = 0, Q = 1;
 };
 
-// slots [R]; lens [T]; bits [T] or empty; caches [S, kvH, L, D].
-TokenPlan plan_tokens(int64_t R, const torch::Tensor& k_cache, const torch::Tensor& rope,
-                      const torch::Tensor& slots_in, const torch::Tensor& lens_in,
-                      const torch::Tensor& bits_in, int64_t row_lo, int64_t Q) {
-  const int64_t D = k_cache.size(3), L = k_cache.size(2);
+// x [R, H]; slots [R]; lens [T]; bits [T] or empty; caches [S, kvH, L, D].
+TokenPlan plan_tokens(const torch::Tensor& x, const torch::Tensor& k_cache,
+                      const torch::Tensor& rope, const torch::Tensor& slots_in,
+                      const torch::Tensor& lens_in, const torch::Tensor& bits_in, int64_t row_lo,
+                      int64_t Q) {
+  TORCH_CHECK(x.dim() == 2, "x must be contiguous [R, H] bf16");
+  TORCH_CHECK(k_cache.dim() == 4, "caches must be equal contiguous 4-D bf16");
+  const int64_t R = x.size(0), D = k_cache.size(3), L = k_cache.size(2);
   TORCH_CHECK(rope.dim() == 3 && rope.is_contiguous() && rope.scalar_type() == at::kBFloat16 &&
               rope.size(1) == 2 && rope.size(2) == D, "rope must be contiguous [T, 2, D] bf16");
   TokenPlan plan;
   plan.slots = slots_in.to(at::kLong).contiguous();
   const auto lens = lens_in.to(at::kLong).contiguous();
-  plan.T = rope.size(0);
-  plan.Q = Q;
-  TORCH_CHECK(plan.slots.numel() == R && lens.numel() == plan.T && Q >= 1 && plan.T % Q == 0,
+  const int64_t T = rope.size(0);
+  TORCH_CHECK(plan.slots.numel() == R && lens.numel() == T && Q >= 1 && T % Q == 0,
               "slots must be [R], lens [T] with T = B * Q");
   const auto all_bits = tree_bits(bits_in, lens);
   const int64_t *sv = plan.slots.data_ptr<int64_t>(), *lv = lens.data_ptr<int64_t>();
@@ -79,7 +80,7 @@ TokenPlan plan_tokens(int64_t R, const torch::Tensor& k_cache, const torch::Tens
   plan.cols.resize(static_cast<size_t>(R));
   if (abv != nullptr) plan.bits.resize(static_cast<size_t>(R));
   for (int64_t t = 0; t < R; ++t) {
-    TORCH_CHECK(sv[t] >= 0 && sv[t] < plan.T, "slots out of range");
+    TORCH_CHECK(sv[t] >= 0 && sv[t] < T, "slots out of range");
     const int64_t row = row_lo + sv[t] / Q, n = lv[sv[t]];
     TORCH_CHECK(row >= 0 && row < k_cache.size(0) && n >= 0 && n <= L, "rows or lens out of range");
     plan.rows[static_cast<size_t>(t)] = row;
@@ -125,7 +126,8 @@ torch::Tensor layer_body(const torch::Tensor& x, const torch::Tensor& in_norm,
       uint16_t* tok = qv + t * width;
       const uint16_t* cos = cs + sv[t] * 2 * D;
       for (int64_t hd = 0; hd < num_heads + kvH; ++hd) rotate(tok + hd * D, cos, cos + D, D);
-      const int64_t col = plan.cols[static_cast<size_t>(t)], row = plan.rows[static_cast<size_t>(t)];
+      const int64_t col = plan.cols[static_cast<size_t>(t)];
+      const int64_t row = plan.rows[static_cast<size_t>(t)];
       for (int64_t hd = 0; hd < kvH && col >= 0; ++hd) {  // a padding token writes no K/V
         const int64_t at = ((row * kvH + hd) * L + col) * D;
         std::memcpy(kc + at, tok + (num_heads + hd) * D, D * sizeof(uint16_t));
@@ -166,17 +168,15 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
                                  int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
                                  const std::vector<int64_t>& own_rows) {
   TORCH_CHECK(own_rows.size() == 4, "own_rows must hold 4 row limits (qkv, o, gate_up, down)");
-  TORCH_CHECK(x.dim() == 2, "x must be contiguous [R, H] bf16");
-  TORCH_CHECK(k_cache.dim() == 4, "caches must be equal contiguous 4-D bf16");
-  const auto plan = plan_tokens(x.size(0), k_cache, rope, slots_in, lens_in, bits_in, row_lo, Q);
+  const auto plan = plan_tokens(x, k_cache, rope, slots_in, lens_in, bits_in, row_lo, Q);
   return layer_body(x, in_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, eps, k_cache, v_cache,
                     rope, plan, num_heads, scale, own_rows.data());
 }
 
 // Every layer of a model in one call, each as decoder_layer_bf16 computes it (the same bits):
 // at batch 1 the Python around 30 layer calls (arguments gathered, views made, the call bound)
-// cost ~1-3 ms of a ~17 ms step on the 2-vCPU AMX Xeon, and it ran between the layers' weight
-// streams. weights: kStackTensors per layer (in_norm, qkv, o, post_norm, gate_up, down, K
+// cost ~3-4 ms of a 17-19 ms step on the 2-vCPU AMX Xeon, and it ran between the layers'
+// weight streams. weights: kStackTensors per layer (in_norm, qkv, o, post_norm, gate_up, down, K
 // cache, V cache); own_rows: 4 per layer; aux: layer indices whose output is also returned.
 // Returns [the last layer's output, then each aux layer's, in aux's order].
 std::vector<torch::Tensor> decoder_stack_bf16(
@@ -189,13 +189,11 @@ std::vector<torch::Tensor> decoder_stack_bf16(
               "weights must hold 8 tensors per layer");
   const size_t layers = weights.size() / kStackTensors;
   TORCH_CHECK(own_rows.size() == 4 * layers, "own_rows must hold 4 row limits per layer");
-  TORCH_CHECK(x.dim() == 2, "x must be contiguous [R, H] bf16");
   const auto& k0 = weights[6];
-  TORCH_CHECK(k0.dim() == 4, "caches must be equal contiguous 4-D bf16");
-  for (size_t i = 1; i < layers; ++i)
+  const auto plan = plan_tokens(x, k0, rope, slots_in, lens_in, bits_in, row_lo, Q);
+  for (size_t i = 1; i < layers; ++i)  // the plan's rows and columns hold for every layer
     TORCH_CHECK(weights[i * kStackTensors + 6].sizes() == k0.sizes(),
                 "every layer's caches must have the first layer's shape");
-  const auto plan = plan_tokens(x.size(0), k0, rope, slots_in, lens_in, bits_in, row_lo, Q);
   std::vector<torch::Tensor> out(1 + aux.size());
   torch::Tensor h = x;
   for (size_t i = 0; i < layers; ++i) {

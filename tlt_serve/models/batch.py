@@ -7,6 +7,8 @@ from functools import cached_property
 
 import torch
 
+KVLayer = tuple[torch.Tensor, torch.Tensor]  # a layer's K and V caches, each [S, kvH, L+1, D]
+
 
 @dataclass(frozen=True)
 class ForwardBatch:

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from tlt_serve.models.batch import ForwardBatch
-from tlt_serve.models.llama import DecoderLayer, KVLayer
+from tlt_serve.models.batch import ForwardBatch, KVLayer
+from tlt_serve.models.llama import DecoderLayer
 
 
 def layer_in(

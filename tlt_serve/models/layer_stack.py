@@ -19,9 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt_serve.kernels import LayerKernel, StackKernel
-from tlt_serve.models.batch import ForwardBatch
-
-KVLayer = tuple[torch.Tensor, torch.Tensor]
+from tlt_serve.models.batch import ForwardBatch, KVLayer
 
 
 @dataclass(frozen=True)

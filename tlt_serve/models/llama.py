@@ -27,11 +27,10 @@ from tlt_serve.kernels import (
     RowAttention,
 )
 from tlt_serve.models.arch import ArchConfig
-from tlt_serve.models.batch import ForwardBatch, unpack
+from tlt_serve.models.batch import ForwardBatch, KVLayer, unpack
 from tlt_serve.models.layer_stack import LayerStack
 from tlt_serve.models.rope import apply_rope, cos_sin_table
 
-KVLayer = tuple[torch.Tensor, torch.Tensor]  # K, V, each [S, kvH, L+1, D]
 # (layer, x, rope, batch, kv) → x': how ``LlamaModel.forward`` may run a layer
 LayerFn = Callable[["DecoderLayer", torch.Tensor, torch.Tensor, ForwardBatch, KVLayer],
                    torch.Tensor]
