@@ -598,12 +598,14 @@ TLT_AVX512 static void attend_head_avx512(const float (*qf)[256], const uint16_t
 // alike, into L2 or all of the next head's keys gained nothing).
 constexpr int64_t kKeysAhead = 64;
 
-// Keys [j, j + m) of col's layout into L1, all D columns (64-byte lines).
-template <typename Col>
-static inline void fetch_keys(const uint16_t* K, int64_t D, Col col, int64_t j, int64_t m) {
+// Cache rows [j, j + m) of col's layout (keys or values, D columns each) fetched toward the
+// core, one prefetch per 64-byte line: Hint _MM_HINT_T0 into L1, _MM_HINT_T1 into L2.
+template <int Hint, typename Col>
+static inline void fetch_rows(const uint16_t* base, int64_t D, Col col, int64_t j, int64_t m) {
   for (int64_t i = 0; i < m; ++i)
     for (int64_t d = 0; d < D; d += 32)
-      _mm_prefetch(reinterpret_cast<const char*>(K + col(j + i) * D + d), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(base + col(j + i) * D + d),
+                   static_cast<_mm_hint>(Hint));
 }
 
 // ---- AVX512-BF16: the scores by dot products of bf16 pairs (vdpbf16ps), no widening.
@@ -651,10 +653,8 @@ TLT_AVX512BF16 static void qk_scores_dot(const uint16_t* Qh, const uint16_t* K,
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
       if (g == 0) {
-        if (j + kKeysAhead + 8 <= n) fetch_keys(K, D, col, j + kKeysAhead, 8);
-        for (int kk = 0; kk < 8; ++kk)
-          for (int64_t d = 0; d < D; d += 32)  // 64-byte lines
-            _mm_prefetch(reinterpret_cast<const char*>(V + col(j + kk) * D + d), _MM_HINT_T1);
+        if (j + kKeysAhead + 8 <= n) fetch_rows<_MM_HINT_T0>(K, D, col, j + kKeysAhead, 8);
+        fetch_rows<_MM_HINT_T1>(V, D, col, j, 8);
       }
       _mm256_storeu_ps(sg + j, _mm256_mul_ps(key_dot8<D32>(qv, K, j, 8, col), sc));
     }
@@ -727,10 +727,9 @@ TLT_AMX static void qk_scores_amx(const uint16_t* Qh, const uint16_t* K, const u
           else std::memset(pad[t][i], 0, D * 2);
         a[t] = pad[t][0];
       }
-      if (m[t] == 16 && jt + kKeysAhead + 16 <= n) fetch_keys(K, D, col, jt + kKeysAhead, 16);
-      for (int64_t i = 0; i < m[t]; ++i)  // the value rows the weighted sum reads next
-        for (int64_t d = 0; d < D; d += 32)
-          _mm_prefetch(reinterpret_cast<const char*>(V + col(jt + i) * D + d), _MM_HINT_T1);
+      if (m[t] == 16 && jt + kKeysAhead + 16 <= n)
+        fetch_rows<_MM_HINT_T0>(K, D, col, jt + kKeysAhead, 16);
+      fetch_rows<_MM_HINT_T1>(V, D, col, jt, m[t]);  // the value rows the weighted sum reads next
     }
     _tile_zero(0);
     _tile_zero(1);
