@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from tests.harness import own_kernels
@@ -21,6 +22,7 @@ from tlt_serve.kernels import (
     own_amx,
     own_avx512,
     own_avx512_bf16,
+    silu_mul,
 )
 from tlt_serve.models.batch import ForwardBatch, flat_write_index
 from tlt_serve.models.llama import (
@@ -317,6 +319,32 @@ def test_bf16_rms_norm_kernel_is_hf_order() -> None:
             assert torch.equal(y, hf)
     with pytest.raises(RuntimeError, match="features"):
         norm(torch.zeros(2, 8, dtype=torch.bfloat16), w, 1e-5)
+
+
+def test_silu_mul_kernel_gives_torchs_bits_for_every_bf16_value() -> None:
+    """The layer kernel's silu(gate) * up against torch's two ops, bit for bit: every bf16
+    value as a gate (NaNs, infinities and subnormals included) at a width the table takes, and
+    random rows at widths it takes and at one it leaves to torch."""
+    own_kernels()
+    act = silu_mul()
+    assert act is not None
+    g = torch.Generator().manual_seed(0)
+
+    def torchs(gu: torch.Tensor) -> torch.Tensor:
+        gate, up = gu.split(gu.shape[1] // 2, dim=1)
+        return F.silu(gate) * up
+
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    gate = every.view(torch.bfloat16).view(64, 1024)
+    gu = torch.cat([gate, torch.randn(64, 1024, generator=g).bfloat16()], dim=1)
+    assert torch.equal(act(gu).view(torch.int16), torchs(gu).view(torch.int16))
+    for rows, inter in ((1, 1536), (8, 1536), (3, 4864), (33, 96)):
+        gu = (3 * torch.randn(rows, 2 * inter, generator=g)).bfloat16()
+        out = act(gu)
+        assert out.shape == (rows, inter)
+        assert torch.equal(out.view(torch.int16), torchs(gu).view(torch.int16)), (rows, inter)
+    with pytest.raises(RuntimeError, match="gu must be"):
+        act(torch.zeros(2, 7, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("G", [1, 3])

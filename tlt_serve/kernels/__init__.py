@@ -310,6 +310,14 @@ def matvec_dot() -> MatVec | None:
     return None if module is None else module.gemv_bf16_dot
 
 
+def silu_mul() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The layer kernel's MLP activation: a gate/up product [R, 2I] bf16 → silu(gate) * up
+    [R, I], the bits of torch's two ops (silu from a table of torch's own silu over every bf16
+    value where I is a multiple of 64, else torch's ops)."""
+    module = _module()
+    return None if module is None else module.silu_mul_bf16
+
+
 def amx_tiles() -> bool:
     """Whether this CPU has AMX tiles (torch's bf16 products run on them)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)

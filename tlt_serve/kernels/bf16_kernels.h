@@ -30,6 +30,35 @@ static inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// 8 bf16 at p widened to fp32 (exact: bf16 is the top half of an fp32).
+static inline __m256 load_bf16x8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// The bf16 bits of 8 fp32 lanes (in each 32-bit lane's low half), rounded as f32_to_bf16.
+static inline __m256i bf16_bits8(__m256 f) {
+  const __m256i b = _mm256_castps_si256(f);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
+  const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(nan));
+}
+
+// 8 fp32 lanes rounded to bf16 and widened back (each as bf16_to_f32(f32_to_bf16(x))).
+static inline __m256 round_bf16x8(__m256 f) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(f), 16));
+}
+
+// 8 fp32 lanes stored at p as bf16, each rounded as f32_to_bf16.
+static inline void store_bf16x8(uint16_t* p, __m256 f) {
+  const __m256i b = bf16_bits8(f);  // < 2^16 per lane: the unsigned pack keeps every value
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
 // The sum of 8 lanes.
 static inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -97,6 +126,9 @@ void amx_product(const uint16_t* w, const uint16_t* x, float* out, uint16_t* out
                  int64_t N, int64_t K);
 // RMSNorm of bf16 rows in HF's rounding order.
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// gu [R, 2I] bf16 (a gate/up product) -> silu(gu[:, :I]) * gu[:, I:] [R, I], as torch's two
+// ops round it (decoder_layer.cpp).
+torch::Tensor silu_mul_bf16(const torch::Tensor& gu);
 // Which attention path attend_tokens takes: the fastest this CPU has (scores on AMX tiles for
 // head sizes 64 and 128, else AVX512-BF16 dot products, else AVX512 or AVX2 with keys widened
 // to fp32), the dot products without tiles, keys widened (AVX512 or AVX2: the same bits), or
