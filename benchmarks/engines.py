@@ -4,6 +4,8 @@ Configurations (``--configs``), each a fresh server per round (or, ``--together`
 the whole run):
 
   native               the native engine, speculation off (prefix cache on: its default)
+  native-nocache       the same with ``--no-prefix-cache`` (what the cache buys, with
+                       ``--together`` on seeded requests seconds apart)
   native-auto          the same with ``--speculative auto`` (no drafter: history drafts only)
   native-auto-drafter  ``--speculative auto --drafter D``
   vllm                 ``tlt-serve serve --backend vllm`` (on a CPU: vLLM's compiled path)
@@ -41,6 +43,8 @@ restore the weights after them.
     python -m benchmarks.engines run --configs native,vllm,vllm-eager --shapes batch --rounds 3
     python -m benchmarks.engines run --configs native,native-auto,native-auto-drafter \
         --drafter D --together --rounds 3
+    python -m benchmarks.engines run --configs native,native-nocache --together --rounds 3 \
+        --shapes agentic,slime
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ from benchmarks.common.results import ints, names, pyplot, report, save, tool
 from benchmarks.common.servers import VLLM_SERVED_NAME, running_server, running_vllm
 from benchmarks.rollout import epoch_requests, epoch_workload, load_epoch_weights
 
-CONFIGS = {"native": [], "native-auto": ["--speculative", "auto"],
+CONFIGS = {"native": [], "native-nocache": ["--no-prefix-cache"],
+           "native-auto": ["--speculative", "auto"],
            "native-auto-drafter": ["--speculative", "auto"],  # + --drafter
            "vllm": ["--backend", "vllm"], "vllm-eager": ["--backend", "vllm", "--enforce-eager"],
            "vllm-cpu": []}
