@@ -11,8 +11,6 @@
 #include <cmath>
 #include <vector>
 
-
-
 // Y[M, N] = X[M, K] · W[N, K]^T for M <= 8 rows: each bf16 weight row is read once and
 // multiplied into all M rows (a verify step at batch 1 scores a handful of tokens, and
 // reading bf16 once beats an fp32 GEMM that reads twice the bytes). Up to 4 rows, alternate
