@@ -32,14 +32,16 @@ from benchmarks.common.results import grouped_bars, ints, pyplot, report, save, 
 
 OFF = ("all", "layer", "matvec", "norm", "attention")  # "x": everything but x
 INVARIANT = "invariant"  # every row through the own kernels (``kernels.batch_invariant``)
+TOKENS = "tokens"  # prefills attend token by token, as decode rows (no blocks on AMX tiles)
 LABELS = {"all": "every own kernel", "layer": "the own kernels op by op, no whole-layer kernel",
           **{c: f"torch's {c} instead" for c in OFF[2:]},
           "avx2": "the own product's AVX2 path (rows <= 8)",
           "widened": "the own attention with keys widened to fp32, decode rows only (op by op)",
-          "invariant": "batch invariant: the own kernels take every row (--batch-invariant)"}
+          "invariant": "batch invariant: the own kernels take every row (--batch-invariant)",
+          "tokens": "prefills attend token by token (no blocks of 16 on AMX tiles)"}
 SHORT = {"all": "all own kernels", "layer": "own kernels op by op",
          "avx2": "own product, AVX2 path", "widened": "own attention, keys widened, SDPA prefills",
-         "invariant": "batch invariant"}
+         "invariant": "batch invariant", "tokens": "prefill attention token by token"}
 ONLY_AVX512_BF16 = ("avx2", "widened")  # configurations that differ from "all" only there
 
 
@@ -83,6 +85,7 @@ def switch(model: Any, kernels: Any, off: str) -> None:
     "rowsN", "largeN", "layerN" and their joins: all, with those row limits)."""
     from tlt_serve.kernels import (
         ATTENTION_QUERIES,
+        EVERY_ROW,
         MATVEC_ROWS_NATIVE_BF16,
         attention_widened,
         batch_invariant,
@@ -100,9 +103,11 @@ def switch(model: Any, kernels: Any, off: str) -> None:
                           attention_queries=ATTENTION_QUERIES, layer=None)
     elif off == INVARIANT:
         kernels = batch_invariant(kernels)
+    elif off == TOKENS:
+        kernels = replace(kernels, block_queries=EVERY_ROW)
     elif limits is not None:
         kernels = replace(kernels, **limits)
-    keep = off in ("all", INVARIANT, *ONLY_AVX512_BF16) or limits is not None
+    keep = off in ("all", INVARIANT, TOKENS, *ONLY_AVX512_BF16) or limits is not None
     set_cpu_kernels(model, kernels if keep else replace(kernels, **{off: None}))
 
 
@@ -115,7 +120,8 @@ def ab(a: argparse.Namespace) -> Path:
     layers op by op); on CPUs with AVX512-BF16 also ``avx2``: the own product on its AVX2
     path with the row limit it had there, and ``widened``: the own attention scoring with
     keys widened to fp32, for decode rows only (prefills to SDPA); and ``invariant``: every
-    row of every step through the own kernels (``--batch-invariant``). ``--configs`` picks some
+    row of every step through the own kernels (``--batch-invariant``); with AMX tiles also
+    ``tokens``: prefills attending token by token, as decode rows. ``--configs`` picks some
     (``all`` always runs: the reference). Greedy, ``--new-tokens`` per sequence, EOS
     ignored, fresh prompts every round, configurations interleaved, median tokens/s per
     batch size; every configuration's tokens are compared with ``all``'s (bf16 rounding
@@ -167,7 +173,7 @@ def _engine(
     compare: ``a.configs`` or every one this CPU has, "all" first)."""
     from tlt_serve import LLM
     from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
-    from tlt_serve.kernels import own_avx512_bf16
+    from tlt_serve.kernels import own_amx, own_avx512_bf16
 
     torch.set_num_threads(a.threads)
     # no prefix cache: ab runs each round's prompts under every configuration, and the later
@@ -181,6 +187,8 @@ def _engine(
     # the invariant configuration only where the mode holds (``--batch-invariant`` refuses
     # other CPUs)
     configs = (*OFF, INVARIANT, *ONLY_AVX512_BF16) if own_avx512_bf16() else OFF
+    if own_amx():
+        configs = (*configs, TOKENS)
     if a.configs:
         unknown = {c for c in a.configs if c not in configs and row_limits(c) is None}
         if unknown:
@@ -274,7 +282,7 @@ def _ab_arguments(p: argparse.ArgumentParser) -> None:
                         "invariant, rowsN: the own product's row limit N; largeN: the same "
                         "for a layer's products of 4M weights or more; layerN: the "
                         "whole-layer kernel's; joined by +: several; "
-                        "avx2, widened with AVX512-BF16); default every one")
+                        "avx2, widened with AVX512-BF16; tokens with AMX); default every one")
 
 
 # ---- rows ---------------------------------------------------------------------------------

@@ -64,7 +64,11 @@ def test_every_row_goes_to_the_own_kernels(llm: LLM) -> None:
     assert model.kernels is not None
     assert model.lm_head.matvec_rows == EVERY_ROW and model.lm_head.weight_f32 is None
     assert all(layer.kernel is not None and layer.kernel_rows == EVERY_ROW
-               and layer.self_attn.kernel_queries == EVERY_ROW for layer in model.layers)
+               and layer.self_attn.kernel_queries == EVERY_ROW
+               and layer.self_attn.block_queries == EVERY_ROW for layer in model.layers)
+    # no prefill attends by blocks (their weights rounded to bf16: not a decode step's bits)
+    assert model.kernels.block_queries == EVERY_ROW
+    assert model.stack is None or model.stack.block_queries == EVERY_ROW
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])

@@ -12,6 +12,8 @@ import transformers
 from tests.harness import own_kernels
 from tlt_serve.engine.kv_cache import KVCache
 from tlt_serve.kernels import (
+    BLOCK_QUERIES,
+    EVERY_ROW,
     LARGE_PRODUCT,
     CpuKernels,
     attention_avx2,
@@ -517,6 +519,78 @@ def test_attention_scores_on_amx_tiles_track_the_dot_products() -> None:
         assert torch.equal(gathered, causal), (G, D)
 
 
+def test_a_verify_row_never_attends_by_blocks() -> None:
+    """A chain verify step's row holds the last token and up to MAX_DRAFT_TOKENS drafts:
+    fewer tokens than a row needs to attend by blocks, so its tokens keep their decode bits."""
+    from tlt_serve.config import MAX_DRAFT_TOKENS
+
+    assert 1 + MAX_DRAFT_TOKENS < BLOCK_QUERIES
+
+
+def test_prefill_runs_attend_by_blocks_on_amx_tiles() -> None:
+    """Where the process has AMX tiles a row of at least ``block_queries`` real query tokens
+    (a prefill) attends 16 tokens at a time, its weights rounded to bf16: within bf16 rounding
+    of fp32 attention, as close as the token-by-token path is, for head sizes 64 and 128,
+    group sizes 1 / 3 / 7, a prompt from column 0 and one extending 200 cached keys, block
+    ends off the 16s and 32s, padding tokens (zeros), and cache columns past every token's
+    keys holding NaNs. A token's output depends on its own query and keys only: the last 64
+    tokens of a prompt computed as a step of their own get the bits they get in the whole
+    prompt. Rows of fewer real tokens (a decode row beside it, a 63-token run) and tree rows
+    keep the token-by-token path's bits."""
+    kernels = own_kernels()
+    if not own_amx():
+        pytest.skip("no AMX tiles for this process: every row attends token by token")
+    assert kernels.attention is not None and kernels.block_queries == BLOCK_QUERIES
+    attention = kernels.attention
+    g = torch.Generator().manual_seed(9)
+    none = torch.empty(0, dtype=torch.long)
+    Q = 100
+    for G, D in [(3, 64), (1, 64), (7, 64), (2, 128)]:
+        kvH, L = 2, 320
+        k_cache = torch.randn(4, kvH, L, D, generator=g).bfloat16()
+        v_cache = torch.randn(4, kvH, L, D, generator=g).bfloat16()
+        q = torch.randn(4, Q, kvH, G, D, generator=g).bfloat16()
+        # row 0: a 100-token prompt; row 1: 70 tokens after 200 cached, then padding; row 2:
+        # a decode token, then padding; row 3: 63 tokens
+        lens = torch.zeros(4, Q, dtype=torch.long)
+        lens[0] = torch.arange(1, Q + 1)
+        lens[1, :70] = torch.arange(201, 271)
+        lens[2, 0] = 150
+        lens[3, :63] = torch.arange(1, 64)
+        for b in range(4):  # columns no token sees hold NaNs
+            k_cache[b, :, int(lens[b].max()):] = float("nan")
+            v_cache[b, :, int(lens[b].max()):] = float("nan")
+        blocks = attention(q, k_cache, v_cache, 0, lens, none, D**-0.5, BLOCK_QUERIES)
+        tokens = attention(q, k_cache, v_cache, 0, lens, none, D**-0.5)
+        assert not blocks.isnan().any()
+        for b, n in ((0, Q), (1, 70)):
+            # fp32 reference, all tokens of the row at once (GQA: each KV head's G heads)
+            qf = q[b, :n].float().permute(1, 2, 0, 3)  # [kvH, G, n, D]
+            m = int(lens[b, n - 1])
+            keys = k_cache[b, :, :m].float().unsqueeze(1)  # [kvH, 1, m, D]
+            values = v_cache[b, :, :m].float().unsqueeze(1)
+            visible = torch.arange(m)[None, :] < lens[b, :n, None]  # [n, m]
+            ref = F.scaled_dot_product_attention(qf, keys, values, attn_mask=visible,
+                                                 scale=D**-0.5).permute(2, 0, 1, 3)
+            err_blocks = (blocks[b, :n].float() - ref).abs()
+            err_tokens = (tokens[b, :n].float() - ref).abs()
+            assert err_blocks.max() < 2e-2, (G, D, b)
+            assert err_blocks.mean() < 2 * err_tokens.mean() + 1e-4, (G, D, b)
+            assert not torch.equal(blocks[b, :n], tokens[b, :n])  # the blocks ran
+        assert not blocks[1, 70:].any() and not blocks[2, 1:].any()  # padding tokens: zeros
+        assert torch.equal(blocks[2:], tokens[2:])  # a decode row and a 63-token run
+        # The last 64 tokens of the prompt as a step of their own (chunked, or after a cached
+        # prefix): their outputs do not depend on what else the step held.
+        tail = attention(q[:1, Q - 64:], k_cache, v_cache, 0, lens[:1, Q - 64:], none, D**-0.5,
+                         BLOCK_QUERIES)
+        assert torch.equal(tail[0], blocks[0, Q - 64:]), (G, D)
+        # Tree rows go token by token whatever their length.
+        bits = torch.ones(4 * Q, dtype=torch.long)
+        tree = attention(q, k_cache, v_cache, 0, lens.clamp(min=1), bits, D**-0.5, BLOCK_QUERIES)
+        assert torch.equal(tree, attention(q, k_cache, v_cache, 0, lens.clamp(min=1), bits,
+                                           D**-0.5))
+
+
 @torch.inference_mode()
 def test_prefill_rows_take_the_own_attention_up_to_its_limit(tmp_path) -> None:
     """``CpuKernels.attention_queries`` bounds the query tokens per row the own attention
@@ -715,6 +789,45 @@ def test_layer_stack_gives_the_layer_kernels_bits(tiny_model_dir) -> None:
     assert runs == [3 * 9, 3, 6, 9]
     for b in range(3):  # [layers, 2, rows, kvH, max_len + 1, D]
         assert torch.equal(caches[0].storage[:, :, b, :, :16], caches[1].storage[:, :, b, :, :16])
+
+
+@torch.inference_mode()
+def test_prefills_by_blocks_give_the_same_bits_through_every_layer_path(tmp_path) -> None:
+    """A bf16 model of head size 64 prefilling an 80-token prompt beside a 5-token one, then
+    extending the first by 70 tokens (its cached prefix read by blocks), then a decode step:
+    every layer in one call, each layer's kernel and the layers op by op give the same bits
+    (where the process has AMX tiles, the long rows by blocks); within bf16 rounding of the
+    same model attending token by token everywhere (``batch_invariant``'s attention)."""
+    from tests.tiny import make_tiny_model
+    from tlt_serve.engine.runner import extend_batch
+
+    own_kernels()
+    path = make_tiny_model(tmp_path, hidden=256, heads=4, kv_heads=2)
+    models = [build_model(path, torch.bfloat16, 256, cpu_kernels=True) for _ in range(4)]
+    kernels = models[0].kernels
+    assert kernels is not None and models[0].stack is not None
+    models[1].stack = None  # each layer's kernel
+    set_cpu_kernels(models[2], replace(kernels, layer=None))  # op by op
+    set_cpu_kernels(models[3], replace(kernels, block_queries=EVERY_ROW))  # token by token
+    g = torch.Generator().manual_seed(4)
+    V = models[0].cfg.vocab_size
+    steps = [([0, 0], [torch.randint(0, V, (n,), generator=g).tolist() for n in (80, 5)]),
+             ([80, 5], [torch.randint(0, V, (70,), generator=g).tolist(), [7]]),
+             ([150, 6], [[8], [9]])]
+    caches = [KVCache(m.cfg, rows=2, max_len=256, dtype=torch.bfloat16) for m in models]
+    for starts, tokens in steps:
+        hidden = []
+        for model, kv in zip(models, caches, strict=True):
+            batch, ids = extend_batch(kv, 0, starts, tokens, pack=True)
+            hidden.append(model(ids, batch, kv.layers).hidden)
+        for b, t in enumerate(tokens):
+            for other in hidden[1:3]:
+                assert torch.equal(hidden[0][b, : len(t)], other[b, : len(t)]), (starts, b)
+        torch.testing.assert_close(hidden[0], hidden[3], atol=0.1, rtol=0.05)
+    if own_amx():  # the blocks ran: the long rows' cache entries differ from token by token
+        assert not torch.equal(caches[0].storage[:, :, 0], caches[3].storage[:, :, 0])
+    else:
+        assert torch.equal(caches[0].storage, caches[3].storage)
 
 
 @torch.inference_mode()  # as the engine runs: the kernel is only used without autograd

@@ -41,31 +41,6 @@ bool cpu_has_amx_bf16() {
   return (d >> 22 & 1u) && (d >> 24 & 1u);  // AMX-BF16, AMX-TILE
 }
 
-// The 16 x 16 transpose of 32-bit values: r[i] ← column i of the rows at in (row stride is).
-TLT_AMX inline void transpose16(const float* in, int64_t is, __m512 (&r)[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * is);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int h = 0; h < 16; h += 8)
-    for (int i = 0; i < 4; ++i) {
-      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
-      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
-    }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
 // Output rows i < n of a C tile's transpose, at out + i * os: fp32, or bf16 rounded to nearest
 // even (as torch's conversion and f32_to_bf16) where out16.
 TLT_AMX inline void store_rows(const __m512 (&r)[16], float* out, uint16_t* out16, int64_t os,

@@ -844,7 +844,8 @@ static void attend_head_any(HeadKernel how, const uint16_t* Qh, const float (*qf
 // lens[t] - popcount(bits[t]) (its ancestors and itself). fp32 scores, softmax and weighted sum; output [B, Q, kvH, G, D]
 // rounded to bf16 once. Each (query, KV head) is computed alone, the same way whatever the
 // batch: a token scored in a verify step or a prefill gets exactly the output it gets in a
-// decode step. Per layer at 300 cached tokens here: 24 vs 50-75 us for torch's SDPA at batch 1,
+// decode step (except runs of block_queries tokens or more, which go by blocks on AMX tiles:
+// prefill_attention.cpp). Per layer at 300 cached tokens here: 24 vs 50-75 us for torch's SDPA at batch 1,
 // 238 vs 657 us at batch 16. The threads take contiguous ranges of the work, and in a prefill
 // token j of a row sees j + 1 keys: each row's tokens taken in the order 0, n - 1, 1, n - 2, ..
 // give every range as many short queries as long ones (one 2048-token prefill on 2 threads:
@@ -852,22 +853,37 @@ static void attend_head_any(HeadKernel how, const uint16_t* Qh, const float (*qf
 void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
                    const int64_t* rows, const int64_t* lens, const int64_t* bits, int64_t T,
                    int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* ov,
-                   int64_t o_stride, int path) {
+                   int64_t o_stride, int path, int64_t block_queries) {
+  const HeadKernel how = head_kernel(path, D);
+  const bool blocks = how == HeadKernel::tiles && block_attention_fits(D);
+  // Token by token, each row's tokens in the order 0, n - 1, 1, n - 2, ..; runs to blocks.
+  std::vector<int64_t> order;
+  std::vector<QueryRun> runs;
+  order.reserve(static_cast<size_t>(T));
+  for (int64_t s = 0; s < T;) {
+    int64_t e = s + 1, real = lens[s] > 0;
+    bool tree = bits != nullptr && bits[s] != 0;
+    for (; e < T && rows[e] == rows[s]; ++e) {
+      real += lens[e] > 0;
+      tree = tree || (bits != nullptr && bits[e] != 0);
+    }
+    if (blocks && !tree && real >= block_queries) {
+      runs.push_back({s, e - s, rows[s]});
+    } else {
+      for (int64_t i = 0, n = e - s; i < n; ++i)
+        order.push_back(s + ((i & 1) ? n - 1 - (i >> 1) : (i >> 1)));
+    }
+    s = e;
+  }
+  if (!runs.empty())
+    attend_runs(qv, q_stride, kc, vc, runs, lens, kvH, G, D, L, scale, ov, o_stride);
+  if (order.empty()) return;
   int64_t keys = 0;
-  for (int64_t t = 0; t < T; ++t) keys += lens[t];
-  const int64_t work = T * kvH;  // (token, KV head)
+  for (const int64_t t : order) keys += lens[t];
+  const int64_t work = static_cast<int64_t>(order.size()) * kvH;  // (token, KV head)
   // Small problems (batch 1, short rows) are cheaper on one thread than waking the pool.
   const int64_t grain = keys * kvH * G * D < (1 << 16) ? work : 1;
   const float fscale = static_cast<float>(scale);
-  const HeadKernel how = head_kernel(path, D);
-  std::vector<int64_t> order(static_cast<size_t>(T));  // within each run of one row's tokens
-  for (int64_t s = 0; s < T;) {
-    int64_t e = s + 1;
-    while (e < T && rows[e] == rows[s]) ++e;
-    for (int64_t i = 0, n = e - s; i < n; ++i)
-      order[static_cast<size_t>(s + i)] = s + ((i & 1) ? n - 1 - (i >> 1) : (i >> 1));
-    s = e;
-  }
   at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
     if (how == HeadKernel::tiles) amx_configure();
     std::vector<float> scores;
@@ -925,7 +941,7 @@ torch::Tensor tree_bits(const torch::Tensor& bits_in, const torch::Tensor& lens)
 static torch::Tensor attention_impl(const torch::Tensor& q_in, const torch::Tensor& k_cache,
                                     const torch::Tensor& v_cache, int64_t row_lo,
                                     const torch::Tensor& lens_in, const torch::Tensor& bits_in,
-                                    double scale, int path) {
+                                    double scale, int path, int64_t block_queries) {
   TORCH_CHECK(q_in.dim() == 5 && q_in.scalar_type() == at::kBFloat16, "q must be 5-D bf16");
   const auto q = q_in.contiguous();
   const int64_t B = q.size(0), Q = q.size(1), kvH = q.size(2), G = q.size(3), D = q.size(4);
@@ -946,35 +962,18 @@ static torch::Tensor attention_impl(const torch::Tensor& q_in, const torch::Tens
   auto out = torch::empty_like(q);
   const int64_t stride = kvH * G * D;  // one query token's heads
   attend_tokens(bf16_data(q), stride, bf16_data(k_cache), bf16_data(v_cache), rows.data(), lv,
-                bv, B * Q, kvH, G, D, L, scale, bf16_data(out), stride, path);
+                bv, B * Q, kvH, G, D, L, scale, bf16_data(out), stride, path, block_queries);
   return out;
 }
 
-torch::Tensor attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
+// The attention by one path (kAttention*): only the best path's tiles take runs by blocks.
+template <int Path>
+torch::Tensor attention_path(const torch::Tensor& q, const torch::Tensor& k_cache,
                              const torch::Tensor& v_cache, int64_t row_lo,
-                             const torch::Tensor& lens, const torch::Tensor& bits, double scale) {
-  return attention_impl(q, k_cache, v_cache, row_lo, lens, bits, scale, kAttentionBest);
-}
-
-torch::Tensor attention_bf16_dot(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                 const torch::Tensor& v_cache, int64_t row_lo,
-                                 const torch::Tensor& lens, const torch::Tensor& bits,
-                                 double scale) {
-  return attention_impl(q, k_cache, v_cache, row_lo, lens, bits, scale, kAttentionDot);
-}
-
-torch::Tensor attention_bf16_widened(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, int64_t row_lo,
-                                     const torch::Tensor& lens, const torch::Tensor& bits,
-                                     double scale) {
-  return attention_impl(q, k_cache, v_cache, row_lo, lens, bits, scale, kAttentionWidened);
-}
-
-torch::Tensor attention_bf16_avx2(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                  const torch::Tensor& v_cache, int64_t row_lo,
-                                  const torch::Tensor& lens, const torch::Tensor& bits,
-                                  double scale) {
-  return attention_impl(q, k_cache, v_cache, row_lo, lens, bits, scale, kAttentionAvx2);
+                             const torch::Tensor& lens, const torch::Tensor& bits, double scale,
+                             int64_t block_queries) {
+  TORCH_CHECK(block_queries >= 1, "block_queries must be at least 1");
+  return attention_impl(q, k_cache, v_cache, row_lo, lens, bits, scale, Path, block_queries);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1003,16 +1002,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "and its logprob at the row's temperature (sampling.cpp)");
   m.def("token_logprobs", &token_logprobs,
         "the logprobs sample_rows reports, of given tokens at the rows' temperatures");
-  m.def("attention_bf16", &attention_bf16,
-        "attention of query tokens over their rows' bf16 caches (decode, verify, trees, prefills)");
-  m.def("attention_bf16_dot", &attention_bf16_dot,
+#define TLT_ATTENTION_ARGS                                                                  \
+  pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),                  \
+      pybind11::arg("row_lo"), pybind11::arg("lens"), pybind11::arg("bits"),               \
+      pybind11::arg("scale"), pybind11::arg("block_queries") = kNoBlocks
+  m.def("attention_bf16", &attention_path<kAttentionBest>,
+        "attention of query tokens over their rows' bf16 caches (decode, verify, trees, prefills); "
+        "a row of at least block_queries query tokens (a prefill) by blocks of 16 on AMX tiles "
+        "where the CPU has them (prefill_attention.cpp)",
+        TLT_ATTENTION_ARGS);
+  m.def("attention_bf16_dot", &attention_path<kAttentionDot>,
         "attention_bf16 without AMX tiles (AVX512-BF16 dot-product scores where the CPU has "
-        "them; for comparisons)");
-  m.def("attention_bf16_widened", &attention_bf16_widened,
+        "them; for comparisons)",
+        TLT_ATTENTION_ARGS);
+  m.def("attention_bf16_widened", &attention_path<kAttentionWidened>,
         "attention_bf16 with keys widened to fp32 (AVX512 where the CPU has it, else AVX2): "
-        "the AVX2 path's bits; for comparisons");
-  m.def("attention_bf16_avx2", &attention_bf16_avx2,
-        "attention on the AVX2 path only (the bits of attention_bf16_widened; for comparisons)");
+        "the AVX2 path's bits; for comparisons",
+        TLT_ATTENTION_ARGS);
+  m.def("attention_bf16_avx2", &attention_path<kAttentionAvx2>,
+        "attention on the AVX2 path only (the bits of attention_bf16_widened; for comparisons)",
+        TLT_ATTENTION_ARGS);
+#undef TLT_ATTENTION_ARGS
   m.def("decoder_layer_bf16", &decoder_layer_bf16,
         "one decoder layer for rows of a few causal query tokens (decoder_layer.cpp)");
   m.def("decoder_stack_bf16", &decoder_stack_bf16,

@@ -116,6 +116,31 @@ torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x
 #define TLT_AMX \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16,avx512vl")))
 bool amx_ready();
+// The 16 x 16 transpose of 32-bit values: r[i] ← column i of the rows at in (row stride is).
+TLT_AMX inline void transpose16(const float* in, int64_t is, __m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * is);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 // The calling thread's eight tiles as 16 rows of 64 bytes (what both the product and the
 // attention's scores use), and their release when the thread is done with them.
 void amx_configure();
@@ -137,11 +162,27 @@ constexpr int kAttentionBest = 0, kAttentionWidened = 1, kAttentionAvx2 = 2, kAt
 // Attention of T query tokens: token t (q at q + t * q_stride, kvH x G heads of D) sees key
 // columns [0, lens[t]) of cache row rows[t] or, where bits (nullable) has bits[t] != 0, the
 // first lens[t] - popcount(bits[t]) columns and then that base + i for each set bit i (a tree
-// node: its ancestors and itself); output at out + t * o_stride, bf16, by ``path``.
+// node: its ancestors and itself); output at out + t * o_stride, bf16, by ``path``. A row's
+// run of at least block_queries real query tokens without tree bits (a prefill) goes by blocks
+// (attend_runs) where the path is the tiles' and they take D.
+constexpr int64_t kNoBlocks = INT64_MAX;
 void attend_tokens(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
                    const uint16_t* v_cache, const int64_t* rows, const int64_t* lens,
                    const int64_t* bits, int64_t T, int64_t kvH, int64_t G, int64_t D, int64_t L,
-                   double scale, uint16_t* out, int64_t o_stride, int path = kAttentionBest);
+                   double scale, uint16_t* out, int64_t o_stride, int path = kAttentionBest,
+                   int64_t block_queries = kNoBlocks);
+// Prefill attention by blocks of 16 query tokens on AMX tiles (prefill_attention.cpp): whether
+// it takes head size D here; and the tokens of each run (query tokens t0 .. t0 + n - 1, all of
+// cache row ``row``, causal: no tree bits) as attend_tokens would, the weights rounded to bf16
+// for the weighted sum.
+struct QueryRun {
+  int64_t t0, n, row;
+};
+bool block_attention_fits(int64_t D);
+void attend_runs(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
+                 const uint16_t* v_cache, const std::vector<QueryRun>& runs, const int64_t* lens,
+                 int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* out,
+                 int64_t o_stride);
 // bits_in as contiguous int64 (one per entry of lens), checked against lens; empty: no tree.
 torch::Tensor tree_bits(const torch::Tensor& bits_in, const torch::Tensor& lens);
 void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t kvH,
@@ -155,13 +196,13 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
                                  const torch::Tensor& rope, const torch::Tensor& slots,
                                  const torch::Tensor& lens, const torch::Tensor& bits,
                                  int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
-                                 const std::vector<int64_t>& own_rows);
+                                 const std::vector<int64_t>& own_rows, int64_t block_queries);
 // Every layer of a model in one call (decoder_layer.cpp): 8 tensors per layer in weights.
 std::vector<torch::Tensor> decoder_stack_bf16(
     const torch::Tensor& x, const std::vector<torch::Tensor>& weights, double eps,
     const torch::Tensor& rope, const torch::Tensor& slots, const torch::Tensor& lens,
     const torch::Tensor& bits, int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
-    const std::vector<int64_t>& own_rows, const std::vector<int64_t>& aux);
+    const std::vector<int64_t>& own_rows, int64_t block_queries, const std::vector<int64_t>& aux);
 // Sampling (sampling.cpp): a token per row (greedy rows the first maximum, the others the
 // inverse CDF at u) and its logprob at the row's temperature; the logprobs of given tokens;
 // per row of scored logits its maximum, log-sum and the target's rank.

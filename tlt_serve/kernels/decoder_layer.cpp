@@ -171,7 +171,7 @@ torch::Tensor layer_body(const torch::Tensor& x, const torch::Tensor& in_norm,
                          const torch::Tensor& down_w, double eps, const torch::Tensor& k_cache,
                          const torch::Tensor& v_cache, const torch::Tensor& rope,
                          const TokenPlan& plan, int64_t num_heads, double scale,
-                         const int64_t* own_rows) {
+                         const int64_t* own_rows, int64_t block_queries) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "x must be contiguous [R, H] bf16");
   const int64_t R = x.size(0), kvH = k_cache.size(1), D = k_cache.size(3), L = k_cache.size(2);
@@ -208,7 +208,7 @@ torch::Tensor layer_body(const torch::Tensor& x, const torch::Tensor& in_norm,
   auto attn = torch::empty({R, num_heads * D}, x.options());
   attend_tokens(qv, width, kc, vc, plan.rows.data(), plan.keys.data(),
                 plan.bits.empty() ? nullptr : plan.bits.data(), R, kvH, G, D, L, scale,
-                bf16_data(attn), num_heads * D);
+                bf16_data(attn), num_heads * D, kAttentionBest, block_queries);
   const auto x1 = add_bf16(x, product(o_w, attn, own_rows[1]));
 
   // MLP block: norm, gate/up, silu(gate) * up (torch's ops' bits), down, residual.
@@ -224,7 +224,8 @@ torch::Tensor layer_body(const torch::Tensor& x, const torch::Tensor& in_norm,
 // query sees (its own K/V go to column lens - 1 of cache row row_lo + b; 0: a padding token,
 // which writes nothing and attends to nothing); bits [T] or empty: tree nodes, as
 // attend_tokens reads them (a node's own K/V go to the column of its highest set bit);
-// own_rows [4]: the most rows the own product takes for qkv, o, gate_up, down (more: torch's).
+// own_rows [4]: the most rows the own product takes for qkv, o, gate_up, down (more: torch's);
+// block_queries: a row of at least that many query tokens attends by blocks (attend_tokens).
 // Returns the new residual stream [R, H] and writes the tokens' K/V.
 torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in_norm,
                                  const torch::Tensor& qkv_w, const torch::Tensor& o_w,
@@ -234,25 +235,28 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
                                  const torch::Tensor& rope, const torch::Tensor& slots_in,
                                  const torch::Tensor& lens_in, const torch::Tensor& bits_in,
                                  int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
-                                 const std::vector<int64_t>& own_rows) {
+                                 const std::vector<int64_t>& own_rows, int64_t block_queries) {
   TORCH_CHECK(own_rows.size() == 4, "own_rows must hold 4 row limits (qkv, o, gate_up, down)");
+  TORCH_CHECK(block_queries >= 1, "block_queries must be at least 1");
   const auto plan = plan_tokens(x, k_cache, rope, slots_in, lens_in, bits_in, row_lo, Q);
   return layer_body(x, in_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, eps, k_cache, v_cache,
-                    rope, plan, num_heads, scale, own_rows.data());
+                    rope, plan, num_heads, scale, own_rows.data(), block_queries);
 }
 
 // Every layer of a model in one call, each as decoder_layer_bf16 computes it (the same bits):
 // at batch 1 the Python around 30 layer calls (arguments gathered, views made, the call bound)
 // cost ~3-4 ms of a 17-19 ms step on the 2-vCPU AMX Xeon, and it ran between the layers'
 // weight streams. weights: kStackTensors per layer (in_norm, qkv, o, post_norm, gate_up, down, K
-// cache, V cache); own_rows: 4 per layer; aux: layer indices whose output is also returned.
+// cache, V cache); own_rows: 4 per layer; block_queries: as decoder_layer_bf16's; aux: layer
+// indices whose output is also returned.
 // Returns [the last layer's output, then each aux layer's, in aux's order].
 std::vector<torch::Tensor> decoder_stack_bf16(
     const torch::Tensor& x, const std::vector<torch::Tensor>& weights, double eps,
     const torch::Tensor& rope, const torch::Tensor& slots_in, const torch::Tensor& lens_in,
     const torch::Tensor& bits_in, int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
-    const std::vector<int64_t>& own_rows, const std::vector<int64_t>& aux) {
+    const std::vector<int64_t>& own_rows, int64_t block_queries, const std::vector<int64_t>& aux) {
   constexpr size_t kStackTensors = 8;
+  TORCH_CHECK(block_queries >= 1, "block_queries must be at least 1");
   TORCH_CHECK(!weights.empty() && weights.size() % kStackTensors == 0,
               "weights must hold 8 tensors per layer");
   const size_t layers = weights.size() / kStackTensors;
@@ -267,7 +271,7 @@ std::vector<torch::Tensor> decoder_stack_bf16(
   for (size_t i = 0; i < layers; ++i) {
     const torch::Tensor* w = &weights[i * kStackTensors];
     h = layer_body(h, w[0], w[1], w[2], w[3], w[4], w[5], eps, w[6], w[7], rope, plan, num_heads,
-                   scale, own_rows.data() + 4 * i);
+                   scale, own_rows.data() + 4 * i, block_queries);
     for (size_t a = 0; a < aux.size(); ++a)
       if (aux[a] == static_cast<int64_t>(i)) out[1 + a] = h;
   }

@@ -32,6 +32,7 @@ class LayerStack:
     num_heads: int
     head_dim: int
     scale: float
+    block_queries: int  # rows of this many query tokens on attend by blocks (CpuKernels)
 
     def run(
         self, x: torch.Tensor, rope: torch.Tensor, batch: ForwardBatch,
@@ -47,6 +48,6 @@ class LayerStack:
         outs = self.kernel(
             x.reshape(-1, H), flat, self.eps, rope.reshape(B * Q, 2, self.head_dim),
             batch.slots, batch.kv_lens.view(-1), batch.kernel_bits, batch.row_lo, Q,
-            self.num_heads, self.scale, self.own_rows, aux,
+            self.num_heads, self.scale, self.own_rows, self.block_queries, aux,
         )  # [R, H] each
         return outs[0].view(x.shape), [o.view(x.shape) for o in outs[1:]]

@@ -19,6 +19,7 @@ from torch import nn
 from tlt_serve.kernels import (
     ATTENTION_QUERIES,
     DOT_HEAD_DIMS,
+    EVERY_ROW,
     MATVEC_ROWS,
     CpuKernels,
     LayerKernel,
@@ -116,6 +117,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.kernel: RowAttention | None = None  # own bf16 kernel (serving only)
         self.kernel_queries = ATTENTION_QUERIES  # most query tokens per row it takes
+        self.block_queries = EVERY_ROW  # rows of this many tokens on go by blocks (its kernel)
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, batch: ForwardBatch, kv: KVLayer
@@ -133,7 +135,7 @@ class Attention(nn.Module):
             B, Q = q.shape[:2]
             q5 = q.reshape(B, Q, self.cfg.num_kv_heads, self.group, self.cfg.head_dim)
             out = self.kernel(q5, kv[0], kv[1], batch.row_lo, lens, batch.kernel_bits,
-                              self.scale)
+                              self.scale, self.block_queries)
             out = out.view(B, Q, self.cfg.q_size)  # [B, Q, kvH * G * D]
         else:
             out = self.attend(q, kv, batch.row_lo, batch.kv_len, batch.sdpa_mask(self.group,
@@ -269,7 +271,7 @@ class DecoderLayer(nn.Module):
             mlp.gate_up_proj.weight, mlp.down_proj.weight, post.eps, kv[0], kv[1],
             rope.reshape(B * Q, 2, D), batch.slots, batch.kv_lens.view(-1), batch.kernel_bits,
             batch.row_lo, Q,
-            attn.cfg.num_heads, attn.scale, self.product_rows,
+            attn.cfg.num_heads, attn.scale, self.product_rows, attn.block_queries,
         )  # [R, H]
         return out.view(x.shape)
 
@@ -393,6 +395,7 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
         elif isinstance(m, Attention):
             m.kernel = None if kernels is None or not _attention_fits(m) else kernels.attention
             m.kernel_queries = ATTENTION_QUERIES
+            m.block_queries = EVERY_ROW if kernels is None else kernels.block_queries
             if kernels is not None:
                 dot = m.cfg.head_dim in DOT_HEAD_DIMS
                 m.kernel_queries = kernels.attention_queries if dot else kernels.other_head_queries
@@ -430,7 +433,7 @@ def _layer_stack(model: LlamaModel, kernels: CpuKernels | None) -> LayerStack | 
     )
     return LayerStack(
         kernels.stack, kernels.layer, weights, tuple(r for m in layers for r in m.product_rows),
-        post.eps, attn.cfg.num_heads, attn.cfg.head_dim, attn.scale,
+        post.eps, attn.cfg.num_heads, attn.cfg.head_dim, attn.scale, attn.block_queries,
     )
 
 
