@@ -154,7 +154,7 @@ DOT_HEAD_DIMS = (64, 128, 256)  # head sizes whose scores take the dot products 
 # verify step: at most 1 + MAX_DRAFT_TOKENS tokens) attends 16 tokens at a time on the tiles,
 # the weights rounded to bf16 for the weighted sum as torch's and vLLM's CPU attention round
 # them (``prefill_attention.cpp``): its tokens get outputs within bf16 rounding of their decode
-# step's. 64 prompts of 512 tokens, the default model's heads, 2-vCPU AMX Xeon: 1.7-1.9 ms a
+# step's. 4 prompts of 512 tokens, the default model's heads, 2-vCPU AMX Xeon: 1.7-1.9 ms a
 # layer against 7.5-8.6 token by token (torch's SDPA: 3.7-4.1). Decode, verify and tree rows
 # keep the token-by-token path, which gives a token the same bits in any of them; so does
 # every row under ``batch_invariant``.

@@ -19,12 +19,13 @@
 // token-by-token path keeps them fp32, so a token's output here differs from its decode step's
 // within bf16 rounding. Every output depends on its own query and keys only: each score and
 // each output element is one sum in a fixed order (key blocks from column 0, keys past the
-// token's own adding exact zeros), whichever tokens share its tiles or however the prompt was
-// split into steps.
+// token's own adding exact zeros), whichever tokens share its tiles and wherever its step's
+// run of tokens starts, as long as that run takes the blocks (a run of fewer tokens, such as
+// the rest of a prompt after a cached prefix, goes token by token).
 //
-// 64 prompts of 512 tokens, the default model's heads (G = 3, D = 64), 2-vCPU AMX Xeon: a
+// 4 prompts of 512 tokens, the default model's heads (G = 3, D = 64), 2-vCPU AMX Xeon: a
 // layer's attention 1.7-1.9 ms against 7.5-8.6 ms token by token and 3.7-4.1 ms for torch's
-// SDPA (causal, K and V expanded to every head); the whole prefill 8.5 -> ~5.2 s.
+// SDPA (causal, K and V expanded to every head; docs/PERFORMANCE.md).
 
 #include <ATen/Parallel.h>
 
@@ -40,14 +41,14 @@ constexpr int64_t kRows = 16;  // query tokens per block: a tile's rows
 
 // One row's keys and values laid out as B tiles, for the columns [0, keys) a run reads.
 struct Packed {
-  int64_t run = -1, head = -1, keys = 0;  // what is packed; keys rounded up to 32
+  int64_t run = -1, head = -1;  // whose keys and values are packed (columns [0, keys) a run reads)
   std::vector<uint32_t> kt;  // [keys / 16][D / 32][16 pairs][16 keys]: K^T as bf16 pairs
   std::vector<uint32_t> vp;  // [keys / 32][16 pairs][D]: the values of keys 2p and 2p + 1 in
                              // each 32-bit pair (low: 2p)
 };
 
 // 2^x of 16 floats, x <= 0 (and anything in lanes the caller masks off): 2^round(x) times a
-// degree-4 polynomial of the remainder (relative error ~4e-6, far below the bf16 rounding the
+// degree-5 polynomial of the remainder (relative error ~4e-6, far below the bf16 rounding the
 // weights then take); large negative x gives 0.
 TLT_AMX inline __m512 exp2_16(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -245,6 +246,11 @@ TLT_AMX void attend_block(const uint16_t* qv, int64_t q_stride, const Packed& p,
   int64_t most = 0;
   for (int64_t i = 0; i < m; ++i) most = std::max(most, lens[t + i]);
   const int64_t width = (most + 31) / 32 * 32;  // keys the block reads, in 32s
+  if (width == 0) {  // padding tokens only: zeros
+    for (int64_t i = 0; i < m; ++i)
+      std::memset(ov + (t + i) * o_stride + h * G * D, 0, G * D * 2);
+    return;
+  }
   x.s.resize(static_cast<size_t>(2 * kRows * width));
   x.w.resize(static_cast<size_t>(2 * kRows * width));
   float* s[2] = {x.s.data(), x.s.data() + kRows * width};
