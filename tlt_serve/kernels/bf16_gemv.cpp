@@ -871,7 +871,7 @@ void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, con
       runs.push_back({s, e - s, rows[s]});
     } else {
       for (int64_t i = 0, n = e - s; i < n; ++i)
-        order.push_back(s + ((i & 1) ? n - 1 - (i >> 1) : (i >> 1)));
+        order.push_back(s + from_both_ends(i, n));
     }
     s = e;
   }

@@ -116,6 +116,12 @@ torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x
 #define TLT_AMX \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16,avx512vl")))
 bool amx_ready();
+// The i-th of n items taken from both ends in turn (0, n - 1, 1, n - 2, ..): in a prefill a
+// token's (or a block's) cost grows with its position, and threads take contiguous ranges.
+inline int64_t from_both_ends(int64_t i, int64_t n) {
+  return (i & 1) ? n - 1 - (i >> 1) : i >> 1;
+}
+
 // The 16 x 16 transpose of 32-bit values: r[i] ← column i of the rows at in (row stride is).
 TLT_AMX inline void transpose16(const float* in, int64_t is, __m512 (&r)[16]) {
   __m512 t[16];

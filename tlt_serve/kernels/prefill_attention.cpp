@@ -4,7 +4,7 @@
 // one tile product per 16 keys for the group's G query heads (3 of the tile's 16 columns on the
 // default model), then the softmax and the weighted sum in fp32 vector code, two FMAs per key,
 // head and 16 dimensions. In a prefill that weighted sum is most of the step: 64 prompts of 512
-// tokens spent ~4.2 s of an 8.5 s prefill in the attention (2-vCPU AMX Xeon), against ~2.8 s
+// tokens spent ~4.1 s of an 8.5 s prefill in the attention (2-vCPU AMX Xeon), against ~2.8 s
 // for every product of the layers.
 //
 // Here a row's query tokens go 16 at a time (one tile's rows), two query heads at a time (each
@@ -41,7 +41,7 @@ constexpr int64_t kRows = 16;  // query tokens per block: a tile's rows
 
 // One row's keys and values laid out as B tiles, for the columns [0, keys) a run reads.
 struct Packed {
-  int64_t run = -1, head = -1;  // whose keys and values are packed (columns [0, keys) a run reads)
+  int64_t run = -1, head = -1;  // whose they are
   std::vector<uint32_t> kt;  // [keys / 16][D / 32][16 pairs][16 keys]: K^T as bf16 pairs
   std::vector<uint32_t> vp;  // [keys / 32][16 pairs][D]: the values of keys 2p and 2p + 1 in
                              // each 32-bit pair (low: 2p)
@@ -284,9 +284,7 @@ bool block_attention_fits(int64_t D) { return (D == 64 || D == 128) && amx_ready
 void attend_runs(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
                  const std::vector<QueryRun>& runs, const int64_t* lens, int64_t kvH, int64_t G,
                  int64_t D, int64_t L, double scale, uint16_t* ov, int64_t o_stride) {
-  // Work items (run, KV head, block); within a (run, head) the blocks alternate from both
-  // ends (0, n - 1, 1, ..): a block's cost grows with its keys, and the threads take
-  // contiguous ranges of items.
+  // Work items (run, KV head, block), each (run, head)'s blocks from both ends.
   struct Item { int64_t run, head, block; };
   std::vector<Item> items;
   std::vector<int64_t> most(runs.size());  // columns each run's tokens see, at most
@@ -295,7 +293,7 @@ void attend_runs(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const
     const int64_t nb = (runs[r].n + kRows - 1) / kRows;
     for (int64_t h = 0; h < kvH; ++h)
       for (int64_t i = 0; i < nb; ++i)
-        items.push_back({static_cast<int64_t>(r), h, (i & 1) ? nb - 1 - (i >> 1) : (i >> 1)});
+        items.push_back({static_cast<int64_t>(r), h, from_both_ends(i, nb)});
   }
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
