@@ -5,8 +5,8 @@
 // compiled with OpenMP (see tlt_serve/kernels/__init__.py).
 #include "bf16_kernels.h"
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <torch/csrc/utils/pybind.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -324,7 +324,7 @@ static void over_tiles(Block block, const uint16_t* w, const X* xv, float* out, 
 // otherwise x is widened to fp32 (exactly) for the AVX2 path. The result may be rounded to
 // bf16 (out_bf16, round to nearest even as torch's cast): the same values as casting around
 // the call in Python, without two Python-level ops per product (a step at batch 1 has ~120).
-torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x_in, bool out_bf16,
+at::Tensor gemv_bf16_impl(const at::Tensor& weight, const at::Tensor& x_in, bool out_bf16,
                              int path) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
               "weight must be a contiguous 2-D bf16 tensor");
@@ -340,12 +340,12 @@ torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x
   const auto shape = x_in.dim() == 1 ? std::vector<int64_t>{N} : std::vector<int64_t>{M, N};
   if (bf16_rows && path == kProductBest && amx_fits(N, K) && amx_ready()) {
     const auto x = x_in.contiguous();
-    auto y = torch::empty(shape, x_in.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+    auto y = at::empty(shape, x_in.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
     amx_product(w, bf16_data(x), out_bf16 ? nullptr : y.data_ptr<float>(),
                 out_bf16 ? bf16_data(y) : nullptr, M, N, K);
     return y;
   }
-  auto y = torch::empty(shape, x_in.options().dtype(at::kFloat));
+  auto y = at::empty(shape, x_in.options().dtype(at::kFloat));
   float* out = y.data_ptr<float>();
   if (bf16_rows && avx512_bf16()) {
     const auto x = x_in.contiguous();
@@ -358,15 +358,15 @@ torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x
   return out_bf16 ? y.to(at::kBFloat16) : y;
 }
 
-torch::Tensor gemv_bf16(const torch::Tensor& weight, const torch::Tensor& x, bool out_bf16) {
+at::Tensor gemv_bf16(const at::Tensor& weight, const at::Tensor& x, bool out_bf16) {
   return gemv_bf16_impl(weight, x, out_bf16, kProductBest);
 }
 
-torch::Tensor gemv_bf16_dot(const torch::Tensor& weight, const torch::Tensor& x, bool out_bf16) {
+at::Tensor gemv_bf16_dot(const at::Tensor& weight, const at::Tensor& x, bool out_bf16) {
   return gemv_bf16_impl(weight, x, out_bf16, kProductDot);
 }
 
-torch::Tensor gemv_bf16_avx2(const torch::Tensor& weight, const torch::Tensor& x, bool out_bf16) {
+at::Tensor gemv_bf16_avx2(const at::Tensor& weight, const at::Tensor& x, bool out_bf16) {
   return gemv_bf16_impl(weight, x, out_bf16, kProductAvx2);
 }
 
@@ -389,13 +389,13 @@ static void sum_squares(const uint16_t* x, int64_t H, float* ss) {
 // RMSNorm of bf16 rows [R, H] with a bf16 weight [H], in HF's order: normalise in fp32, round
 // to bf16, multiply by the weight, round to bf16. One pass per row instead of the seven ops
 // (casts, pow, mean, rsqrt, two products) torch runs for bf16 input on CPU.
-torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous bf16");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
               "weight must be a contiguous 1-D bf16 tensor");
   const int64_t H = weight.size(0);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == H, "x has ", x.size(-1), " features, weight has ", H);
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const int64_t R = x.numel() / H;
   const auto* xv = bf16_data(x);
   const auto* wv = bf16_data(weight);
@@ -965,7 +965,7 @@ void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, con
   });
 }
 
-void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t kvH,
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kvH,
                   int64_t G, int64_t D) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
@@ -974,7 +974,7 @@ void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, in
   TORCH_CHECK(D % 8 == 0 && D <= 256 && G <= 16, "head_dim must be a multiple of 8 <= 256, G <= 16");
 }
 
-torch::Tensor tree_bits(const torch::Tensor& bits_in, const torch::Tensor& lens) {
+at::Tensor tree_bits(const at::Tensor& bits_in, const at::Tensor& lens) {
   if (bits_in.numel() == 0) return bits_in;
   const auto bits = bits_in.to(at::kLong).contiguous();
   TORCH_CHECK(bits.numel() == lens.numel(), "tree bits must have one entry per query (as lens)");
@@ -986,9 +986,9 @@ torch::Tensor tree_bits(const torch::Tensor& bits_in, const torch::Tensor& lens)
   return bits;
 }
 
-static torch::Tensor attention_impl(const torch::Tensor& q_in, const torch::Tensor& k_cache,
-                                    const torch::Tensor& v_cache, int64_t row_lo,
-                                    const torch::Tensor& lens_in, const torch::Tensor& bits_in,
+static at::Tensor attention_impl(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, int64_t row_lo,
+                                    const at::Tensor& lens_in, const at::Tensor& bits_in,
                                     double scale, int path, int64_t block_queries) {
   TORCH_CHECK(q_in.dim() == 5 && q_in.scalar_type() == at::kBFloat16, "q must be 5-D bf16");
   const auto q = q_in.contiguous();
@@ -1007,7 +1007,7 @@ static torch::Tensor attention_impl(const torch::Tensor& q_in, const torch::Tens
     TORCH_CHECK(lv[i] >= 0 && lv[i] <= L, "lens out of range");
     rows[static_cast<size_t>(i)] = row_lo + i / Q;
   }
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t stride = kvH * G * D;  // one query token's heads
   attend_tokens(bf16_data(q), stride, bf16_data(k_cache), bf16_data(v_cache), rows.data(), lv,
                 bv, B * Q, kvH, G, D, L, scale, bf16_data(out), stride, path, block_queries);
@@ -1016,9 +1016,9 @@ static torch::Tensor attention_impl(const torch::Tensor& q_in, const torch::Tens
 
 // The attention by one path (kAttention*): only the best path's tiles take runs by blocks.
 template <int Path>
-torch::Tensor attention_path(const torch::Tensor& q, const torch::Tensor& k_cache,
-                             const torch::Tensor& v_cache, int64_t row_lo,
-                             const torch::Tensor& lens, const torch::Tensor& bits, double scale,
+at::Tensor attention_path(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, int64_t row_lo,
+                             const at::Tensor& lens, const at::Tensor& bits, double scale,
                              int64_t block_queries) {
   TORCH_CHECK(block_queries >= 1, "block_queries must be at least 1");
   return attention_impl(q, k_cache, v_cache, row_lo, lens, bits, scale, Path, block_queries);

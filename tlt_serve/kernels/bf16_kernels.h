@@ -1,7 +1,16 @@
 // Shared by the kernel sources: bf16 <-> fp32 and the entry points one source calls in another.
 #pragma once
 #include <immintrin.h>
-#include <torch/extension.h>
+// ATen's tensor and the few operators the sources call, not <torch/extension.h>: that header
+// (pybind11, the whole C++ frontend) took ~50 s of each source's compile; only bf16_gemv.cpp,
+// which holds the Python bindings, includes pybind11's torch casters.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/silu.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -17,7 +26,7 @@ static inline float bf16_to_f32(uint16_t v) {
 }
 
 // A bf16 tensor's elements as raw 16-bit values.
-static inline uint16_t* bf16_data(const torch::Tensor& t) {
+static inline uint16_t* bf16_data(const at::Tensor& t) {
   return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
@@ -108,7 +117,7 @@ static inline float row_max(const float* x, int64_t n) {
 // AVX2 only. The last two are kept for comparisons.
 constexpr int kProductBest = 0, kProductDot = 1, kProductAvx2 = 2;
 // bf16 weight [N, K] x rows [M, K] (fp32 or bf16) -> [M, N] fp32, or bf16 when out_bf16.
-torch::Tensor gemv_bf16_impl(const torch::Tensor& weight, const torch::Tensor& x_in, bool out_bf16,
+at::Tensor gemv_bf16_impl(const at::Tensor& weight, const at::Tensor& x_in, bool out_bf16,
                              int path);
 // AMX tiles (amx_product.cpp): whether this CPU has them and the OS lets this process use
 // them; whether a weight [N, K] fits their blocks; weight [N, K] x bf16 rows [M, K] -> [M, N]
@@ -156,10 +165,10 @@ bool amx_fits(int64_t N, int64_t K);
 void amx_product(const uint16_t* w, const uint16_t* x, float* out, uint16_t* out16, int64_t M,
                  int64_t N, int64_t K);
 // RMSNorm of bf16 rows in HF's rounding order.
-torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps);
 // gu [R, 2I] bf16 (a gate/up product) -> silu(gu[:, :I]) * gu[:, I:] [R, I], as torch's two
 // ops round it (decoder_layer.cpp).
-torch::Tensor silu_mul_bf16(const torch::Tensor& gu);
+at::Tensor silu_mul_bf16(const at::Tensor& gu);
 // Which attention path attend_tokens takes: the fastest this CPU has (scores on AMX tiles for
 // head sizes 64 and 128, else AVX512-BF16 dot products, else AVX512 or AVX2 with keys widened
 // to fp32), the dot products without tiles, keys widened (AVX512 or AVX2: the same bits), or
@@ -190,33 +199,33 @@ void attend_runs(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
                  int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* out,
                  int64_t o_stride);
 // bits_in as contiguous int64 (one per entry of lens), checked against lens; empty: no tree.
-torch::Tensor tree_bits(const torch::Tensor& bits_in, const torch::Tensor& lens);
-void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t kvH,
+at::Tensor tree_bits(const at::Tensor& bits_in, const at::Tensor& lens);
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kvH,
                   int64_t G, int64_t D);
 // One whole decoder layer for causal rows (decoder_layer.cpp).
-torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in_norm,
-                                 const torch::Tensor& qkv_w, const torch::Tensor& o_w,
-                                 const torch::Tensor& post_norm, const torch::Tensor& gate_up_w,
-                                 const torch::Tensor& down_w, double eps,
-                                 const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                                 const torch::Tensor& rope, const torch::Tensor& slots,
-                                 const torch::Tensor& lens, const torch::Tensor& bits,
+at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& in_norm,
+                                 const at::Tensor& qkv_w, const at::Tensor& o_w,
+                                 const at::Tensor& post_norm, const at::Tensor& gate_up_w,
+                                 const at::Tensor& down_w, double eps,
+                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& rope, const at::Tensor& slots,
+                                 const at::Tensor& lens, const at::Tensor& bits,
                                  int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
                                  const std::vector<int64_t>& own_rows, int64_t block_queries);
 // Every layer of a model in one call (decoder_layer.cpp): 8 tensors per layer in weights.
-std::vector<torch::Tensor> decoder_stack_bf16(
-    const torch::Tensor& x, const std::vector<torch::Tensor>& weights, double eps,
-    const torch::Tensor& rope, const torch::Tensor& slots, const torch::Tensor& lens,
-    const torch::Tensor& bits, int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
+std::vector<at::Tensor> decoder_stack_bf16(
+    const at::Tensor& x, const std::vector<at::Tensor>& weights, double eps,
+    const at::Tensor& rope, const at::Tensor& slots, const at::Tensor& lens,
+    const at::Tensor& bits, int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
     const std::vector<int64_t>& own_rows, int64_t block_queries, const std::vector<int64_t>& aux);
 // Sampling (sampling.cpp): a token per row (greedy rows the first maximum, the others the
 // inverse CDF at u) and its logprob at the row's temperature; the logprobs of given tokens;
 // per row of scored logits its maximum, log-sum and the target's rank.
-std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits,
-                                                     const torch::Tensor& temps,
-                                                     const torch::Tensor& u,
-                                                     const torch::Tensor& greedy);
-torch::Tensor token_logprobs(const torch::Tensor& logits, const torch::Tensor& temps,
-                             const torch::Tensor& tokens);
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> log_softmax_rank(
-    const torch::Tensor& logits, const torch::Tensor& targets);
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits,
+                                                     const at::Tensor& temps,
+                                                     const at::Tensor& u,
+                                                     const at::Tensor& greedy);
+at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& temps,
+                             const at::Tensor& tokens);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> log_softmax_rank(
+    const at::Tensor& logits, const at::Tensor& targets);

@@ -12,6 +12,7 @@
 #include "bf16_kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>  // the fallback silu(gate) * up
 #include <vector>
 
 namespace {
@@ -46,8 +47,8 @@ void rotate(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t D) {
 }
 
 // out = a + b, bf16 rows of equal shape, as torch's bf16 add.
-torch::Tensor add_bf16(const torch::Tensor& a, const torch::Tensor& b) {
-  auto out = torch::empty_like(a);
+at::Tensor add_bf16(const at::Tensor& a, const at::Tensor& b) {
+  auto out = at::empty_like(a);
   const uint16_t *av = bf16_data(a), *bv = bf16_data(b);
   uint16_t* ov = bf16_data(out);
   at::parallel_for(0, a.numel(), 1 << 14, [&](int64_t lo, int64_t hi) {
@@ -66,7 +67,7 @@ torch::Tensor add_bf16(const torch::Tensor& a, const torch::Tensor& b) {
 // other lengths are left to torch. One entry past the end: a gather reads 4 bytes an entry.
 const std::vector<uint16_t>& silu_table() {
   static const std::vector<uint16_t> table = [] {
-    auto all = torch::empty({1 << 16}, torch::dtype(at::kBFloat16));
+    auto all = at::empty({1 << 16}, at::TensorOptions().dtype(at::kBFloat16));
     uint16_t* v = bf16_data(all);
     for (int i = 0; i < (1 << 16); ++i) v[i] = static_cast<uint16_t>(i);
     const auto silu = at::silu(all).contiguous();
@@ -82,13 +83,13 @@ const std::vector<uint16_t>& silu_table() {
 // silu(gate) * up, rounded to bf16 after each as torch's ops round them; for rows of a
 // multiple of 64, silu from silu_table and the product in one pass over the row (torch's
 // three ops and two tensors a layer cost ~1 ms of a 25 ms step at 8 rows; see silu_table).
-torch::Tensor silu_mul_bf16(const torch::Tensor& gu) {
+at::Tensor silu_mul_bf16(const at::Tensor& gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.scalar_type() == at::kBFloat16 &&
               gu.size(1) % 2 == 0, "gu must be contiguous [R, 2I] bf16");
   const int64_t R = gu.size(0), I = gu.size(1) / 2;
   if (I % 64 != 0) return (at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I)).contiguous();
   const auto* table = reinterpret_cast<const int*>(silu_table().data());
-  auto out = torch::empty({R, I}, gu.options());
+  auto out = at::empty({R, I}, gu.options());
   const uint16_t* g = bf16_data(gu);
   uint16_t* o = bf16_data(out);
   at::parallel_for(0, R, std::max<int64_t>(1, (1 << 14) / I), [&](int64_t lo, int64_t hi) {
@@ -113,22 +114,22 @@ namespace {
 
 // x [R, K] bf16 × weight [N, K] → [R, N] bf16: the own product up to own_rows rows, else
 // torch's (what models.llama.Linear runs for a bf16 product of more rows).
-torch::Tensor product(const torch::Tensor& weight, const torch::Tensor& x, int64_t own_rows) {
+at::Tensor product(const at::Tensor& weight, const at::Tensor& x, int64_t own_rows) {
   return x.size(0) <= own_rows ? gemv_bf16_impl(weight, x, true, kProductBest) : at::linear(x, weight);
 }
 
 // Where each token of a step goes, the same for every layer: its cache row, the keys it sees,
 // its tree bits and the column its own K/V take.
 struct TokenPlan {
-  torch::Tensor slots;  // [R] long (kept alive: sv points into it)
+  at::Tensor slots;  // [R] long (kept alive: sv points into it)
   const int64_t* sv = nullptr;
   std::vector<int64_t> rows, keys, bits, cols;
 };
 
 // x [R, H]; slots [R]; lens [T]; bits [T] or empty; caches [S, kvH, L, D].
-TokenPlan plan_tokens(const torch::Tensor& x, const torch::Tensor& k_cache,
-                      const torch::Tensor& rope, const torch::Tensor& slots_in,
-                      const torch::Tensor& lens_in, const torch::Tensor& bits_in, int64_t row_lo,
+TokenPlan plan_tokens(const at::Tensor& x, const at::Tensor& k_cache,
+                      const at::Tensor& rope, const at::Tensor& slots_in,
+                      const at::Tensor& lens_in, const at::Tensor& bits_in, int64_t row_lo,
                       int64_t Q) {
   TORCH_CHECK(x.dim() == 2, "x must be contiguous [R, H] bf16");
   TORCH_CHECK(k_cache.dim() == 4, "caches must be equal contiguous 4-D bf16");
@@ -165,11 +166,11 @@ TokenPlan plan_tokens(const torch::Tensor& x, const torch::Tensor& k_cache,
 }
 
 // One layer over the planned tokens (see decoder_layer_bf16).
-torch::Tensor layer_body(const torch::Tensor& x, const torch::Tensor& in_norm,
-                         const torch::Tensor& qkv_w, const torch::Tensor& o_w,
-                         const torch::Tensor& post_norm, const torch::Tensor& gate_up_w,
-                         const torch::Tensor& down_w, double eps, const torch::Tensor& k_cache,
-                         const torch::Tensor& v_cache, const torch::Tensor& rope,
+at::Tensor layer_body(const at::Tensor& x, const at::Tensor& in_norm,
+                         const at::Tensor& qkv_w, const at::Tensor& o_w,
+                         const at::Tensor& post_norm, const at::Tensor& gate_up_w,
+                         const at::Tensor& down_w, double eps, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& rope,
                          const TokenPlan& plan, int64_t num_heads, double scale,
                          const int64_t* own_rows, int64_t block_queries) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
@@ -205,7 +206,7 @@ torch::Tensor layer_body(const torch::Tensor& x, const torch::Tensor& in_norm,
       }
     }
   });
-  auto attn = torch::empty({R, num_heads * D}, x.options());
+  auto attn = at::empty({R, num_heads * D}, x.options());
   attend_tokens(qv, width, kc, vc, plan.rows.data(), plan.keys.data(),
                 plan.bits.empty() ? nullptr : plan.bits.data(), R, kvH, G, D, L, scale,
                 bf16_data(attn), num_heads * D, kAttentionBest, block_queries);
@@ -227,13 +228,13 @@ torch::Tensor layer_body(const torch::Tensor& x, const torch::Tensor& in_norm,
 // own_rows [4]: the most rows the own product takes for qkv, o, gate_up, down (more: torch's);
 // block_queries: a row of at least that many query tokens attends by blocks (attend_tokens).
 // Returns the new residual stream [R, H] and writes the tokens' K/V.
-torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in_norm,
-                                 const torch::Tensor& qkv_w, const torch::Tensor& o_w,
-                                 const torch::Tensor& post_norm, const torch::Tensor& gate_up_w,
-                                 const torch::Tensor& down_w, double eps,
-                                 const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                                 const torch::Tensor& rope, const torch::Tensor& slots_in,
-                                 const torch::Tensor& lens_in, const torch::Tensor& bits_in,
+at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& in_norm,
+                                 const at::Tensor& qkv_w, const at::Tensor& o_w,
+                                 const at::Tensor& post_norm, const at::Tensor& gate_up_w,
+                                 const at::Tensor& down_w, double eps,
+                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& rope, const at::Tensor& slots_in,
+                                 const at::Tensor& lens_in, const at::Tensor& bits_in,
                                  int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
                                  const std::vector<int64_t>& own_rows, int64_t block_queries) {
   TORCH_CHECK(own_rows.size() == 4, "own_rows must hold 4 row limits (qkv, o, gate_up, down)");
@@ -250,10 +251,10 @@ torch::Tensor decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& in
 // cache, V cache); own_rows: 4 per layer; block_queries: as decoder_layer_bf16's; aux: layer
 // indices whose output is also returned.
 // Returns [the last layer's output, then each aux layer's, in aux's order].
-std::vector<torch::Tensor> decoder_stack_bf16(
-    const torch::Tensor& x, const std::vector<torch::Tensor>& weights, double eps,
-    const torch::Tensor& rope, const torch::Tensor& slots_in, const torch::Tensor& lens_in,
-    const torch::Tensor& bits_in, int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
+std::vector<at::Tensor> decoder_stack_bf16(
+    const at::Tensor& x, const std::vector<at::Tensor>& weights, double eps,
+    const at::Tensor& rope, const at::Tensor& slots_in, const at::Tensor& lens_in,
+    const at::Tensor& bits_in, int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
     const std::vector<int64_t>& own_rows, int64_t block_queries, const std::vector<int64_t>& aux) {
   constexpr size_t kStackTensors = 8;
   TORCH_CHECK(block_queries >= 1, "block_queries must be at least 1");
@@ -266,10 +267,10 @@ std::vector<torch::Tensor> decoder_stack_bf16(
   for (size_t i = 1; i < layers; ++i)  // the plan's rows and columns hold for every layer
     TORCH_CHECK(weights[i * kStackTensors + 6].sizes() == k0.sizes(),
                 "every layer's caches must have the first layer's shape");
-  std::vector<torch::Tensor> out(1 + aux.size());
-  torch::Tensor h = x;
+  std::vector<at::Tensor> out(1 + aux.size());
+  at::Tensor h = x;
   for (size_t i = 0; i < layers; ++i) {
-    const torch::Tensor* w = &weights[i * kStackTensors];
+    const at::Tensor* w = &weights[i * kStackTensors];
     h = layer_body(h, w[0], w[1], w[2], w[3], w[4], w[5], eps, w[6], w[7], rope, plan, num_heads,
                    scale, own_rows.data() + 4 * i, block_queries);
     for (size_t a = 0; a < aux.size(); ++a)

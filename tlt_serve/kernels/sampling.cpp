@@ -160,7 +160,7 @@ inline float logprob(const float* x, int64_t k, float t, const RowStats& st) {
   return (scaled1(x[k], t, t == 1.f) - st.max) - st.logsum;
 }
 
-void check_rows(const torch::Tensor& logits, const torch::Tensor& temps) {
+void check_rows(const at::Tensor& logits, const at::Tensor& temps) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
               "logits must be [N, V] fp32");
   TORCH_CHECK(logits.size(1) > 0, "logits need at least one column");
@@ -174,10 +174,10 @@ void check_rows(const torch::Tensor& logits, const torch::Tensor& temps) {
 // One token per row and its logprob: greedy rows (greedy[i]) take the first index of the
 // maximum, the others the inverse CDF at u[i] (fp64 in [0, 1)); logprobs at temps[i] (1 for
 // greedy rows: raw logits).
-std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits_in,
-                                                     const torch::Tensor& temps_in,
-                                                     const torch::Tensor& u_in,
-                                                     const torch::Tensor& greedy_in) {
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_in,
+                                                     const at::Tensor& temps_in,
+                                                     const at::Tensor& u_in,
+                                                     const at::Tensor& greedy_in) {
   const auto logits = logits_in.contiguous();
   const auto temps = temps_in.contiguous();
   check_rows(logits, temps);
@@ -185,8 +185,8 @@ std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits
   const auto u = u_in.to(at::kDouble).contiguous();
   const auto greedy = greedy_in.to(at::kBool).contiguous();
   TORCH_CHECK(u.numel() == N && greedy.numel() == N, "u and greedy need one entry per row");
-  auto tokens = torch::empty({N}, logits.options().dtype(at::kLong));
-  auto logprobs = torch::empty({N}, logits.options());
+  auto tokens = at::empty({N}, logits.options().dtype(at::kLong));
+  auto logprobs = at::empty({N}, logits.options());
   const float *xv = logits.data_ptr<float>(), *tv = temps.data_ptr<float>();
   const double* uv = u.data_ptr<double>();
   const bool* gv = greedy.data_ptr<bool>();
@@ -204,8 +204,8 @@ std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits
 }
 
 // The logprob of tokens[i] in row i at temps[i]: what sample_rows reports for it.
-torch::Tensor token_logprobs(const torch::Tensor& logits_in, const torch::Tensor& temps_in,
-                             const torch::Tensor& tokens_in) {
+at::Tensor token_logprobs(const at::Tensor& logits_in, const at::Tensor& temps_in,
+                             const at::Tensor& tokens_in) {
   const auto logits = logits_in.contiguous();
   const auto temps = temps_in.contiguous();
   check_rows(logits, temps);
@@ -214,7 +214,7 @@ torch::Tensor token_logprobs(const torch::Tensor& logits_in, const torch::Tensor
   TORCH_CHECK(tokens.numel() == N, "tokens need one entry per row");
   const int64_t* kv = tokens.data_ptr<int64_t>();
   for (int64_t r = 0; r < N; ++r) TORCH_CHECK(kv[r] >= 0 && kv[r] < V, "token out of range");
-  auto logprobs = torch::empty({N}, logits.options());
+  auto logprobs = at::empty({N}, logits.options());
   const float *xv = logits.data_ptr<float>(), *tv = temps.data_ptr<float>();
   float* lv = logprobs.data_ptr<float>();
   each_row(xv, N, V, tv, [&](int64_t r, const float* x, const RowStats& st, const float*,
@@ -228,8 +228,8 @@ torch::Tensor token_logprobs(const torch::Tensor& logits_in, const torch::Tensor
 // rank of the row's target (1 + how many logits are larger), counted in a third pass over the
 // row in cache. What torch takes a log-softmax written out in full ([C, V]), a gather and a
 // top-k for (per 256 rows of the default model's 49152 logits: 15 + 8 ms, against ~3 ms).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> log_softmax_rank(
-    const torch::Tensor& logits_in, const torch::Tensor& targets_in) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> log_softmax_rank(
+    const at::Tensor& logits_in, const at::Tensor& targets_in) {
   TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat,
               "logits must be [C, V] fp32");
   const auto logits = logits_in.contiguous();
@@ -239,9 +239,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> log_softmax_rank(
   const float* xv = logits.data_ptr<float>();
   const int64_t* tv = targets.data_ptr<int64_t>();
   for (int64_t r = 0; r < C; ++r) TORCH_CHECK(tv[r] >= 0 && tv[r] < V, "target out of range");
-  auto maxima = torch::empty({C}, logits.options());
-  auto logsums = torch::empty({C}, logits.options());
-  auto rank = torch::empty({C}, targets.options());
+  auto maxima = at::empty({C}, logits.options());
+  auto logsums = at::empty({C}, logits.options());
+  auto rank = at::empty({C}, targets.options());
   float *mo = maxima.data_ptr<float>(), *lo = logsums.data_ptr<float>();
   int64_t* ro = rank.data_ptr<int64_t>();
   each_row(xv, C, V, nullptr, [&](int64_t r, const float* x, const RowStats& st, const float*,
