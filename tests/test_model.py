@@ -17,6 +17,7 @@ from tlt_serve.kernels import (
     LARGE_PRODUCT,
     CpuKernels,
     attention_avx2,
+    attention_avx2_heads,
     attention_dot,
     attention_widened,
     matvec_avx2,
@@ -435,22 +436,44 @@ def test_attention_avx512_path_is_the_avx2_path_bit_for_bit() -> None:
         pytest.skip("this CPU has no AVX512: the attention has only its AVX2 path")
     avx2, widened = attention_avx2(), attention_widened()
     assert avx2 is not None and widened is not None
-    kernels = CpuKernels(matvec=None, norm=None, attention=widened)
-    g = torch.Generator().manual_seed(11)
+    assert_same_attention(widened, avx2, [(1, 64), (3, 64), (7, 64), (16, 64), (4, 128),
+                                          (2, 256), (3, 32)], seed=11)
+
+
+def assert_same_attention(attention, reference, shapes: list[tuple[int, int]], seed: int
+                          ) -> None:
+    """``attention`` gives ``reference``'s bits for every (G, D) of ``shapes``: causal queries
+    of 0 (padding) to 39 keys, from cache row 0 and 1, and tree nodes of 4 gathered columns."""
+    g = torch.Generator().manual_seed(seed)
     none = torch.empty(0, dtype=torch.long)
-    for G, D in [(1, 64), (3, 64), (7, 64), (16, 64), (4, 128), (2, 256), (3, 32)]:
+    for G, D in shapes:
         kvH, L = 2, 40
         k_cache = torch.randn(3, kvH, L, D, generator=g).bfloat16()
         v_cache = torch.randn(3, kvH, L, D, generator=g).bfloat16()
         q = torch.randn(2, 20, kvH, G, D, generator=g).bfloat16()
         lens = torch.arange(40).view(2, 20)  # 0 (padding) .. 39 keys
         for row_lo in (0, 1):
-            causal = kernels.attention(q, k_cache, v_cache, row_lo, lens, none, D**-0.5)
-            assert torch.equal(causal, avx2(q, k_cache, v_cache, row_lo, lens, none, D**-0.5))
+            out = attention(q, k_cache, v_cache, row_lo, lens, none, D**-0.5)
+            assert torch.equal(out, reference(q, k_cache, v_cache, row_lo, lens, none,
+                                              D**-0.5)), (G, D, row_lo)
         tree_lens = torch.full((2, 20), 30)
         bits = torch.tensor([(0b1011 << (i % 5)) | 1 for i in range(40)])  # 4 set bits each
-        tree = kernels.attention(q, k_cache, v_cache, 0, tree_lens, bits, D**-0.5)
-        assert torch.equal(tree, avx2(q, k_cache, v_cache, 0, tree_lens, bits, D**-0.5))
+        tree = attention(q, k_cache, v_cache, 0, tree_lens, bits, D**-0.5)
+        assert torch.equal(tree, reference(q, k_cache, v_cache, 0, tree_lens, bits, D**-0.5)), (
+            G, D)
+
+
+def test_attention_avx2_head_groups_are_the_head_by_head_bits() -> None:
+    """The AVX2 attention takes a KV head's query heads in groups of up to 3, each key and
+    value row widened once per group: every output must be the bits of taking the heads one
+    at a time, for group sizes 1 to 3 and their mixes (G 4, 5, 7, 16), head sizes 64 / 128 and
+    ones the groups leave (32, 256)."""
+    own_kernels()
+    grouped, heads = attention_avx2(), attention_avx2_heads()
+    assert grouped is not None and heads is not None
+    assert_same_attention(grouped, heads, [(1, 64), (2, 64), (3, 64), (4, 64), (7, 64),
+                                           (16, 64), (3, 128), (5, 128), (3, 32), (2, 256)],
+                          seed=13)
 
 
 def test_attention_dot_product_scores_track_the_widened_path() -> None:

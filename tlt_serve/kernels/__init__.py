@@ -281,6 +281,13 @@ def attention_avx2() -> RowAttention | None:
     return None if module is None else module.attention_bf16_avx2
 
 
+def attention_avx2_heads() -> RowAttention | None:
+    """``attention_avx2`` one query head at a time (each key and value row widened per head,
+    not once per group of heads): the same bits, kept for the test that they agree."""
+    module = _module()
+    return None if module is None else module.attention_bf16_avx2_heads
+
+
 def attention_widened() -> RowAttention | None:
     """The own attention with keys widened to fp32 whatever the CPU: each key and value row
     widened once for all heads of a group where the CPU has AVX512, else the AVX2 path. Where

@@ -543,6 +543,103 @@ static void attend_head(const float (*qf)[256], const uint16_t* K, const uint16_
   }
 }
 
+// ---- AVX2 with heads in groups of up to 3: each key and value row widened once per group, not
+// once per head. A group's scores take 8 keys in two halves of 4 (4 keys x 3 heads = 12
+// accumulators of the 16 registers); a key's 8-lane partial sum is built by the same FMAs in
+// the same order as qk_scores, and the halves' first two hadd levels and the last permute-add
+// are hsum8's, so every score is qk_scores' bits. The weighted sum runs over the value rows once
+// per 32 columns (4 registers x 3 heads) with each element's FMAs in pv_sum's order: the same
+// bits again (tested against the head-by-head path, attention_bf16_avx2_heads).
+
+// u = the first two hadd levels of hsum8 over 4 keys' partial sums (lanes: key 0-3's low-half
+// sums, then their high-half sums); hsum8 of 8 keys = halves_sum(u of keys 0-3, u of keys 4-7).
+static inline __m256 hadd4(const __m256* a) {
+  return _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+}
+static inline __m256 halves_sum(__m256 u0, __m256 u1) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scores of GB heads (qf[0..GB)) against keys col(j), j < n: s[g * stride + j].
+template <int GB, typename Col>
+static void qk_scores_group(const float (*qf)[256], const uint16_t* K, int64_t n, int64_t D,
+                            Col col, float* s, int64_t stride) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 u[2][GB];
+    for (int half = 0; half < 2; ++half) {
+      const uint16_t* kr[4];
+      for (int kk = 0; kk < 4; ++kk) kr[kk] = K + col(j + 4 * half + kk) * D;
+      __m256 acc[GB][4];
+      for (int g = 0; g < GB; ++g)
+        for (int kk = 0; kk < 4; ++kk) acc[g][kk] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        __m256 qv[GB];
+        for (int g = 0; g < GB; ++g) qv[g] = _mm256_loadu_ps(qf[g] + d);
+        for (int kk = 0; kk < 4; ++kk) {
+          const __m256 kv = load_bf16x8(kr[kk] + d);
+          for (int g = 0; g < GB; ++g) acc[g][kk] = _mm256_fmadd_ps(kv, qv[g], acc[g][kk]);
+        }
+      }
+      for (int g = 0; g < GB; ++g) u[half][g] = hadd4(acc[g]);
+    }
+    for (int g = 0; g < GB; ++g) _mm256_storeu_ps(s + g * stride + j, halves_sum(u[0][g], u[1][g]));
+  }
+  if (j < n)
+    for (int g = 0; g < GB; ++g) {
+      float tail[8];
+      qk_scores(qf[g], K, n - j, D, [&](int64_t i) { return col(j + i); }, tail);
+      std::copy(tail, tail + (n - j), s + g * stride + j);
+    }
+}
+
+// O[g] (bf16) ← Σ_j s[g * stride + j] · V[col(j)] for GB heads, D = 8 * D8, 32 columns a pass.
+template <int D8, int GB, typename Col>
+static void pv_sum_group(const float* s, int64_t stride, const uint16_t* V, int64_t n, Col col,
+                         uint16_t* O) {
+  constexpr int64_t D = 8 * D8;
+  static_assert(D8 % 4 == 0, "32 columns a pass");
+  for (int64_t c = 0; c < D8; c += 4) {
+    __m256 acc[GB][4];
+    for (int g = 0; g < GB; ++g)
+      for (int d = 0; d < 4; ++d) acc[g][d] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const uint16_t* vrow = V + col(j) * D + 8 * c;
+      __m256 p[GB];
+      for (int g = 0; g < GB; ++g) p[g] = _mm256_set1_ps(s[g * stride + j]);
+      for (int d = 0; d < 4; ++d) {
+        const __m256 vv = load_bf16x8(vrow + 8 * d);
+        for (int g = 0; g < GB; ++g) acc[g][d] = _mm256_fmadd_ps(p[g], vv, acc[g][d]);
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int d = 0; d < 4; ++d) store_bf16x8(O + g * D + 8 * (c + d), acc[g][d]);
+  }
+}
+
+// All G heads of one (query token, KV head) on AVX2, D = 8 * D8, heads in groups of 3.
+template <int D8, typename Col>
+static void attend_head_grouped(const float (*qf)[256], const uint16_t* K, const uint16_t* V,
+                                int64_t n, int64_t G, Col col, std::vector<float>& scores,
+                                uint16_t* Ot) {
+  constexpr int64_t D = 8 * D8;
+  scores.resize(static_cast<size_t>(G * n));
+  float* sc = scores.data();
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    const int64_t gb = std::min<int64_t>(3, G - g0);
+    if (gb == 3) qk_scores_group<3>(qf + g0, K, n, D, col, sc + g0 * n, n);
+    else if (gb == 2) qk_scores_group<2>(qf + g0, K, n, D, col, sc + g0 * n, n);
+    else qk_scores(qf[g0], K, n, D, col, sc + g0 * n);
+  }
+  for (int64_t g = 0; g < G; ++g) softmax_inplace(sc + g * n, n);
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    const int64_t gb = std::min<int64_t>(3, G - g0);
+    if (gb == 3) pv_sum_group<D8, 3>(sc + g0 * n, n, V, n, col, Ot + g0 * D);
+    else if (gb == 2) pv_sum_group<D8, 2>(sc + g0 * n, n, V, n, col, Ot + g0 * D);
+    else pv_sum<D8>(sc + g0 * n, V, n, D, col, Ot + g0 * D);
+  }
+}
+
 // ---- AVX512: the same attention with each K and V row widened once for all G query heads.
 // The AVX2 path above widens a key row once per query head and runs one 8-wide FMA per 8
 // products. Here a 16-wide register holds two keys' 8-lane partial sums (lanes 0-7 and 8-15)
@@ -847,15 +944,18 @@ TLT_AVX512BF16 static void attend_head_dot(const uint16_t* Qh, const uint16_t* K
 
 // How a call's (query token, KV head) pairs are computed, decided once per call from the path
 // asked for (kAttention*), the CPU and the head size: scores on AMX tiles, AVX512-BF16
-// dot-product scores, keys widened on AVX512 (the AVX2 path's bits), or the AVX2 path.
-enum class HeadKernel { tiles, dot, widened512, avx2 };
+// dot-product scores, keys widened on AVX512 (the AVX2 path's bits), the AVX2 path with heads
+// in groups (head sizes 64 and 128), or the AVX2 path head by head (the same bits).
+enum class HeadKernel { tiles, dot, widened512, avx2_grouped, avx2 };
 
 static HeadKernel head_kernel(int path, int64_t D) {
   const bool sized = D == 64 || D == 128 || D == 256;
   if (path == kAttentionBest && (D == 64 || D == 128) && amx_ready()) return HeadKernel::tiles;
   if ((path == kAttentionBest || path == kAttentionDot) && sized && avx512_bf16() && avx512())
     return HeadKernel::dot;
-  if (path != kAttentionAvx2 && sized && avx512()) return HeadKernel::widened512;
+  if (path != kAttentionAvx2 && path != kAttentionAvx2Heads && sized && avx512())
+    return HeadKernel::widened512;
+  if (path != kAttentionAvx2Heads && (D == 64 || D == 128)) return HeadKernel::avx2_grouped;
   return HeadKernel::avx2;
 }
 
@@ -879,6 +979,10 @@ static void attend_head_any(HeadKernel how, const uint16_t* Qh, const float (*qf
     if (D == 64) return attend_head_avx512<4>(qf, K, V, n, G, col, scores, Ot);
     if (D == 128) return attend_head_avx512<8>(qf, K, V, n, G, col, scores, Ot);
     return attend_head_avx512<16>(qf, K, V, n, G, col, scores, Ot);
+  }
+  if (how == HeadKernel::avx2_grouped) {
+    if (D == 64) return attend_head_grouped<8>(qf, K, V, n, G, col, scores, Ot);
+    return attend_head_grouped<16>(qf, K, V, n, G, col, scores, Ot);
   }
   attend_head(qf, K, V, n, G, D, col, scores, Ot);
 }
@@ -1069,6 +1173,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         TLT_ATTENTION_ARGS);
   m.def("attention_bf16_avx2", &attention_path<kAttentionAvx2>,
         "attention on the AVX2 path only (the bits of attention_bf16_widened; for comparisons)",
+        TLT_ATTENTION_ARGS);
+  m.def("attention_bf16_avx2_heads", &attention_path<kAttentionAvx2Heads>,
+        "attention_bf16_avx2 one query head at a time, each key and value row widened per head "
+        "(the same bits; for comparisons)",
         TLT_ATTENTION_ARGS);
 #undef TLT_ATTENTION_ARGS
   m.def("decoder_layer_bf16", &decoder_layer_bf16,

@@ -171,9 +171,11 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double e
 at::Tensor silu_mul_bf16(const at::Tensor& gu);
 // Which attention path attend_tokens takes: the fastest this CPU has (scores on AMX tiles for
 // head sizes 64 and 128, else AVX512-BF16 dot products, else AVX512 or AVX2 with keys widened
-// to fp32), the dot products without tiles, keys widened (AVX512 or AVX2: the same bits), or
-// AVX2 only. The last three are kept for comparisons.
-constexpr int kAttentionBest = 0, kAttentionWidened = 1, kAttentionAvx2 = 2, kAttentionDot = 3;
+// to fp32), the dot products without tiles, keys widened (AVX512 or AVX2: the same bits), AVX2
+// only, or AVX2 one query head at a time (the same bits). The last four are kept for
+// comparisons.
+constexpr int kAttentionBest = 0, kAttentionWidened = 1, kAttentionAvx2 = 2, kAttentionDot = 3,
+              kAttentionAvx2Heads = 4;
 // Attention of T query tokens: token t (q at q + t * q_stride, kvH x G heads of D) sees key
 // columns [0, lens[t]) of cache row rows[t] or, where bits (nullable) has bits[t] != 0, the
 // first lens[t] - popcount(bits[t]) columns and then that base + i for each set bit i (a tree
