@@ -325,7 +325,7 @@ static void over_tiles(Block block, const uint16_t* w, const X* xv, float* out, 
 // bf16 (out_bf16, round to nearest even as torch's cast): the same values as casting around
 // the call in Python, without two Python-level ops per product (a step at batch 1 has ~120).
 at::Tensor gemv_bf16_impl(const at::Tensor& weight, const at::Tensor& x_in, bool out_bf16,
-                             int path) {
+                          int path) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
               "weight must be a contiguous 2-D bf16 tensor");
   TORCH_CHECK((x_in.dim() == 1 || x_in.dim() == 2) &&
@@ -435,13 +435,18 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double e
   return y;
 }
 
-// The 8 horizontal sums of a[0..7] as one vector (lane i = sum of a[i]).
-static inline __m256 hsum8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+// The first two hadd levels over 4 vectors' lanes (lanes: a[0..3]'s low-half sums, then their
+// high-half sums), and the last level that joins two such: hsum8 is built from them, and so is
+// any sum of 8 keys taken 4 at a time (qk_scores_group), to the same bits.
+static inline __m256 hadd4(const __m256* a) {
+  return _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+}
+static inline __m256 halves_sum(__m256 u0, __m256 u1) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
+
+// The 8 horizontal sums of a[0..7] as one vector (lane i = sum of a[i]).
+static inline __m256 hsum8(const __m256* a) { return halves_sum(hadd4(a), hadd4(a + 4)); }
 
 // Which cache column holds a query's j-th visible key. Causal rows see columns [0, n):
 // Contiguous. A tree node sees the first n0 columns, then a few chosen ones (its ancestors and
@@ -546,19 +551,10 @@ static void attend_head(const float (*qf)[256], const uint16_t* K, const uint16_
 // ---- AVX2 with heads in groups of up to 3: each key and value row widened once per group, not
 // once per head. A group's scores take 8 keys in two halves of 4 (4 keys x 3 heads = 12
 // accumulators of the 16 registers); a key's 8-lane partial sum is built by the same FMAs in
-// the same order as qk_scores, and the halves' first two hadd levels and the last permute-add
-// are hsum8's, so every score is qk_scores' bits. The weighted sum runs over the value rows once
+// the same order as qk_scores, and the halves are joined by hsum8's own hadd4 and
+// halves_sum, so every score is qk_scores' bits. The weighted sum runs over the value rows once
 // per 32 columns (4 registers x 3 heads) with each element's FMAs in pv_sum's order: the same
 // bits again (tested against the head-by-head path, attention_bf16_avx2_heads).
-
-// u = the first two hadd levels of hsum8 over 4 keys' partial sums (lanes: key 0-3's low-half
-// sums, then their high-half sums); hsum8 of 8 keys = halves_sum(u of keys 0-3, u of keys 4-7).
-static inline __m256 hadd4(const __m256* a) {
-  return _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-}
-static inline __m256 halves_sum(__m256 u0, __m256 u1) {
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
 
 // Scores of GB heads (qf[0..GB)) against keys col(j), j < n: s[g * stride + j].
 template <int GB, typename Col>
@@ -1091,9 +1087,9 @@ at::Tensor tree_bits(const at::Tensor& bits_in, const at::Tensor& lens) {
 }
 
 static at::Tensor attention_impl(const at::Tensor& q_in, const at::Tensor& k_cache,
-                                    const at::Tensor& v_cache, int64_t row_lo,
-                                    const at::Tensor& lens_in, const at::Tensor& bits_in,
-                                    double scale, int path, int64_t block_queries) {
+                                 const at::Tensor& v_cache, int64_t row_lo,
+                                 const at::Tensor& lens_in, const at::Tensor& bits_in,
+                                 double scale, int path, int64_t block_queries) {
   TORCH_CHECK(q_in.dim() == 5 && q_in.scalar_type() == at::kBFloat16, "q must be 5-D bf16");
   const auto q = q_in.contiguous();
   const int64_t B = q.size(0), Q = q.size(1), kvH = q.size(2), G = q.size(3), D = q.size(4);
@@ -1121,9 +1117,9 @@ static at::Tensor attention_impl(const at::Tensor& q_in, const at::Tensor& k_cac
 // The attention by one path (kAttention*): only the best path's tiles take runs by blocks.
 template <int Path>
 at::Tensor attention_path(const at::Tensor& q, const at::Tensor& k_cache,
-                             const at::Tensor& v_cache, int64_t row_lo,
-                             const at::Tensor& lens, const at::Tensor& bits, double scale,
-                             int64_t block_queries) {
+                          const at::Tensor& v_cache, int64_t row_lo,
+                          const at::Tensor& lens, const at::Tensor& bits, double scale,
+                          int64_t block_queries) {
   TORCH_CHECK(block_queries >= 1, "block_queries must be at least 1");
   return attention_impl(q, k_cache, v_cache, row_lo, lens, bits, scale, Path, block_queries);
 }

@@ -8,8 +8,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/silu.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -118,7 +116,7 @@ static inline float row_max(const float* x, int64_t n) {
 constexpr int kProductBest = 0, kProductDot = 1, kProductAvx2 = 2;
 // bf16 weight [N, K] x rows [M, K] (fp32 or bf16) -> [M, N] fp32, or bf16 when out_bf16.
 at::Tensor gemv_bf16_impl(const at::Tensor& weight, const at::Tensor& x_in, bool out_bf16,
-                             int path);
+                          int path);
 // AMX tiles (amx_product.cpp): whether this CPU has them and the OS lets this process use
 // them; whether a weight [N, K] fits their blocks; weight [N, K] x bf16 rows [M, K] -> [M, N]
 // at out (fp32) or, where out16 is given, at out16 (bf16, rounded once).
@@ -206,14 +204,14 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t 
                   int64_t G, int64_t D);
 // One whole decoder layer for causal rows (decoder_layer.cpp).
 at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& in_norm,
-                                 const at::Tensor& qkv_w, const at::Tensor& o_w,
-                                 const at::Tensor& post_norm, const at::Tensor& gate_up_w,
-                                 const at::Tensor& down_w, double eps,
-                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 const at::Tensor& rope, const at::Tensor& slots,
-                                 const at::Tensor& lens, const at::Tensor& bits,
-                                 int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
-                                 const std::vector<int64_t>& own_rows, int64_t block_queries);
+                              const at::Tensor& qkv_w, const at::Tensor& o_w,
+                              const at::Tensor& post_norm, const at::Tensor& gate_up_w,
+                              const at::Tensor& down_w, double eps,
+                              const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& rope, const at::Tensor& slots,
+                              const at::Tensor& lens, const at::Tensor& bits,
+                              int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
+                              const std::vector<int64_t>& own_rows, int64_t block_queries);
 // Every layer of a model in one call (decoder_layer.cpp): 8 tensors per layer in weights.
 std::vector<at::Tensor> decoder_stack_bf16(
     const at::Tensor& x, const std::vector<at::Tensor>& weights, double eps,
@@ -224,10 +222,10 @@ std::vector<at::Tensor> decoder_stack_bf16(
 // inverse CDF at u) and its logprob at the row's temperature; the logprobs of given tokens;
 // per row of scored logits its maximum, log-sum and the target's rank.
 std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits,
-                                                     const at::Tensor& temps,
-                                                     const at::Tensor& u,
-                                                     const at::Tensor& greedy);
+                                               const at::Tensor& temps,
+                                               const at::Tensor& u,
+                                               const at::Tensor& greedy);
 at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& temps,
-                             const at::Tensor& tokens);
+                          const at::Tensor& tokens);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> log_softmax_rank(
     const at::Tensor& logits, const at::Tensor& targets);

@@ -13,6 +13,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>  // the fallback silu(gate) * up
+#include <ATen/ops/linear.h>
+#include <ATen/ops/silu.h>
 #include <vector>
 
 namespace {
@@ -167,12 +169,12 @@ TokenPlan plan_tokens(const at::Tensor& x, const at::Tensor& k_cache,
 
 // One layer over the planned tokens (see decoder_layer_bf16).
 at::Tensor layer_body(const at::Tensor& x, const at::Tensor& in_norm,
-                         const at::Tensor& qkv_w, const at::Tensor& o_w,
-                         const at::Tensor& post_norm, const at::Tensor& gate_up_w,
-                         const at::Tensor& down_w, double eps, const at::Tensor& k_cache,
-                         const at::Tensor& v_cache, const at::Tensor& rope,
-                         const TokenPlan& plan, int64_t num_heads, double scale,
-                         const int64_t* own_rows, int64_t block_queries) {
+                      const at::Tensor& qkv_w, const at::Tensor& o_w,
+                      const at::Tensor& post_norm, const at::Tensor& gate_up_w,
+                      const at::Tensor& down_w, double eps, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& rope,
+                      const TokenPlan& plan, int64_t num_heads, double scale,
+                      const int64_t* own_rows, int64_t block_queries) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "x must be contiguous [R, H] bf16");
   const int64_t R = x.size(0), kvH = k_cache.size(1), D = k_cache.size(3), L = k_cache.size(2);
@@ -229,14 +231,14 @@ at::Tensor layer_body(const at::Tensor& x, const at::Tensor& in_norm,
 // block_queries: a row of at least that many query tokens attends by blocks (attend_tokens).
 // Returns the new residual stream [R, H] and writes the tokens' K/V.
 at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& in_norm,
-                                 const at::Tensor& qkv_w, const at::Tensor& o_w,
-                                 const at::Tensor& post_norm, const at::Tensor& gate_up_w,
-                                 const at::Tensor& down_w, double eps,
-                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 const at::Tensor& rope, const at::Tensor& slots_in,
-                                 const at::Tensor& lens_in, const at::Tensor& bits_in,
-                                 int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
-                                 const std::vector<int64_t>& own_rows, int64_t block_queries) {
+                              const at::Tensor& qkv_w, const at::Tensor& o_w,
+                              const at::Tensor& post_norm, const at::Tensor& gate_up_w,
+                              const at::Tensor& down_w, double eps,
+                              const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& rope, const at::Tensor& slots_in,
+                              const at::Tensor& lens_in, const at::Tensor& bits_in,
+                              int64_t row_lo, int64_t Q, int64_t num_heads, double scale,
+                              const std::vector<int64_t>& own_rows, int64_t block_queries) {
   TORCH_CHECK(own_rows.size() == 4, "own_rows must hold 4 row limits (qkv, o, gate_up, down)");
   TORCH_CHECK(block_queries >= 1, "block_queries must be at least 1");
   const auto plan = plan_tokens(x, k_cache, rope, slots_in, lens_in, bits_in, row_lo, Q);

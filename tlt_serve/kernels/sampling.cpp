@@ -175,9 +175,9 @@ void check_rows(const at::Tensor& logits, const at::Tensor& temps) {
 // maximum, the others the inverse CDF at u[i] (fp64 in [0, 1)); logprobs at temps[i] (1 for
 // greedy rows: raw logits).
 std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_in,
-                                                     const at::Tensor& temps_in,
-                                                     const at::Tensor& u_in,
-                                                     const at::Tensor& greedy_in) {
+                                               const at::Tensor& temps_in,
+                                               const at::Tensor& u_in,
+                                               const at::Tensor& greedy_in) {
   const auto logits = logits_in.contiguous();
   const auto temps = temps_in.contiguous();
   check_rows(logits, temps);
@@ -205,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_in,
 
 // The logprob of tokens[i] in row i at temps[i]: what sample_rows reports for it.
 at::Tensor token_logprobs(const at::Tensor& logits_in, const at::Tensor& temps_in,
-                             const at::Tensor& tokens_in) {
+                          const at::Tensor& tokens_in) {
   const auto logits = logits_in.contiguous();
   const auto temps = temps_in.contiguous();
   check_rows(logits, temps);
