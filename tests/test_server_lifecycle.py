@@ -3,6 +3,7 @@ process, and an engine that cannot start."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -24,6 +25,8 @@ from tests.harness import (
     start_cli,
     wait_for,
 )
+from tlt_serve.config import CaptureConfig
+from tlt_serve.engine.capture import header_metadata
 from tlt_serve.server.common.bridge import Bridge, EngineStartError
 
 LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
@@ -112,6 +115,41 @@ def test_engine_start_failure_is_reported_not_hung(tmp_path) -> None:
     with pytest.raises(EngineStartError):
         client.start(timeout=120)
     client.shutdown()
+
+
+def test_a_helper_the_engine_starts_holds_none_of_its_pipes(tiny_model_dir) -> None:
+    """Lending captured features by reference starts torch's shared-memory manager from the
+    engine process: a helper that outlives it. It holds none of the engine's descriptors but
+    stdio: held, the engine's end of the pipe and its exit sentinel would stay open after the
+    engine exits, and the front end would wait out its shutdown timeout, blind to the exit."""
+    import psutil
+
+    served = serve(tiny_model_dir, capture=CaptureConfig(enabled=True))
+    try:
+        engine = psutil.Process(served.bridge._proc.pid)
+        with served.http() as http:
+            http.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 4}})
+            blob = http.get("/drafter/samples", params={"share": "true"}).content
+        assert "features_ref" in header_metadata(blob)
+        helpers = [p for p in engine.children() if p.name() == "torch_shm_manager"]
+        assert helpers
+        ours = open_descriptors(engine.pid)
+        for helper in helpers:
+            held = ours & open_descriptors(helper.pid)
+            assert not held, f"{helper.name()} holds the engine's {sorted(held)}"
+    finally:
+        served.stop()
+    assert served.bridge._proc.exitcode == 0
+
+
+def open_descriptors(pid: int) -> set[str]:
+    """What the descriptors of ``pid`` above stderr point at (``pipe:[inode]``, ...)."""
+    out = set()
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        if int(name) > 2:
+            with contextlib.suppress(OSError):
+                out.add(os.readlink(f"/proc/{pid}/fd/{name}"))
+    return out
 
 
 def test_engine_death_fails_requests_and_health(tiny_model_dir) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tlt_serve.backends.common.descriptors import close_inherited_on_exec
 from tlt_serve.backends.common.outbox import Outbox
 from tlt_serve.backends.native.controls import (
     BACKGROUND_EXCLUSIVE,
@@ -49,6 +50,7 @@ def run_native(config: EngineConfig, conn: Connection, log_level: str = "info") 
     """Process entry point (spawn target): build the engine, report ready, loop until told."""
     # Ctrl-C reaches the whole process group; the front end decides how to shut us down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    close_inherited_on_exec()  # our exit must close the front end's pipe and sentinel
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         engine = Engine(config, build_spec_decoder)

@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from tlt_serve.backends.common.descriptors import close_inherited_on_exec
 from tlt_serve.backends.vllm.args import (
     VllmSpec,
     engine_args,
@@ -41,6 +42,7 @@ log = logging.getLogger("tlt_serve.vllm")
 
 def run_vllm(config: EngineConfig, conn: Any, log_level: str = "info") -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides how we stop
+    close_inherited_on_exec()  # our exit must close the front end's pipe and sentinel
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     scratch = Path(tempfile.mkdtemp(prefix="tlt-vllm-"))
     llm = None
