@@ -21,7 +21,7 @@ from trainer.train import TrainConfig, train
 
 def fit_drafter(
     llm: LLM, prompts: list[list[int]], answers: list[list[int]], out: Path,
-    draft_vocab_size: int = 2048, steps: int = 150,
+    draft_vocab_size: int = 2048, steps: int = 60,
 ) -> Path:
     """Train a drafter on ``answers`` (the target's, to ``prompts``) for ``steps`` steps
     (0: an untrained one) and save it to ``out``. ``draft_vocab_size`` 0 keeps the full head
