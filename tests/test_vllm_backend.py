@@ -90,9 +90,34 @@ def new_weights(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return out
 
 
+class Offline:
+    """vLLM's own offline greedy outputs on the served (``"served"``) and the nudged
+    (``"nudged"``) weights, from a subprocess that starts at once and is read on first use:
+    it runs beside the start of the server a test asks for after it."""
+
+    def __init__(self, job: Path) -> None:
+        self._run = subprocess.Popen([sys.executable, "-m", "tests.vllm_offline", str(job)],
+                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self._keys = json.loads(job.read_text())["models"]
+        self._out: dict[str, list] | None = None
+
+    def __getitem__(self, name: str) -> list:
+        if self._out is None:
+            stdout, stderr = self._run.communicate(timeout=600)
+            assert self._run.returncode == 0, stderr[-3000:]
+            out = json.loads(stdout.strip().splitlines()[-1])
+            self._out = {"served": out[self._keys[0]], "nudged": out[self._keys[1]]}
+        return self._out[name]
+
+    def close(self) -> None:
+        if self._run.poll() is None:
+            self._run.kill()
+        self._run.communicate()
+
+
 @pytest.fixture(scope="module")
-def offline(model_dir: Path, new_weights: Path, prompts, tmp_path_factory) -> dict[str, list]:
-    """vLLM's own offline greedy outputs on the served and the nudged weights."""
+def offline(model_dir: Path, new_weights: Path, prompts, tmp_path_factory) -> Iterator[Offline]:
     cfg = EngineConfig(model=ModelConfig(dtype="float32", max_model_len=MAX_MODEL_LEN),
                        cache=CacheConfig(max_num_seqs=8))
     job = {"models": [str(model_dir), str(new_weights)], "prompts": prompts,
@@ -100,11 +125,9 @@ def offline(model_dir: Path, new_weights: Path, prompts, tmp_path_factory) -> di
            "max_num_seqs": 8, "kv_bytes": kv_cache_bytes(model_dir, cfg, 1024)}
     path = tmp_path_factory.mktemp("job") / "job.json"
     path.write_text(json.dumps(job))
-    run = subprocess.run([sys.executable, "-m", "tests.vllm_offline", str(path)], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out: dict[str, list] = json.loads(run.stdout.strip().splitlines()[-1])
-    return {"served": out[str(model_dir)], "nudged": out[str(new_weights)]}
+    done = Offline(path)
+    yield done
+    done.close()
 
 
 def start(model_dir: Path, compiled: bool = False, **engine_kw) -> Served:
@@ -143,7 +166,7 @@ def spec_counts(outs: list[dict]) -> tuple[int, int]:
     return verified, round(sum(m["spec_accept_length"] * m["spec_verify_ct"] for m in metas))
 
 
-def test_greedy_equals_vllm_offline_alone_and_batched(plain: Served, prompts, offline) -> None:
+def test_greedy_equals_vllm_offline_alone_and_batched(offline, plain: Served, prompts) -> None:
     batched = generate(plain, prompts, LENGTHS)
     assert ids(batched) == offline["served"]
     alone = [generate(plain, [p], [n])[0] for p, n in zip(prompts, LENGTHS, strict=True)]
@@ -435,23 +458,30 @@ def drafters(greedy_answers, prompts, tmp_path_factory) -> list[Path]:
             for i, steps in enumerate((60, 0))]
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_speculation_on_equals_off(model_dir: Path, prompts, offline, method) -> None:
-    """Drafts from history, alone and batched. (Our drafter's drafts: the compiled path's
-    test, alone and batched against the same outputs, and the tests beside it.)"""
-    spec = SpecConfig(method=method, num_draft_tokens=4, max_batch=8)
-    s = start(model_dir, spec=spec)
+def test_speculation_on_equals_off(model_dir: Path, prompts, offline) -> None:
+    """Drafts from history (n-gram, suffix), alone and batched; the two servers start side by
+    side. (Our drafter's drafts: the compiled path's test, alone and batched against the same
+    outputs, and the tests beside it.)"""
+    methods = ("ngram", "suffix")
+    with ThreadPoolExecutor(len(methods)) as pool:
+        starts = [pool.submit(start, model_dir, spec=SpecConfig(
+            method=m, num_draft_tokens=4, max_batch=8)) for m in methods]
+        servers = [f.result() for f in starts if f.exception() is None]
     try:
-        batched = generate(s, prompts, LENGTHS)
-        alone = [generate(s, [p], [n])[0] for p, n in zip(prompts, LENGTHS, strict=True)]
-        with s.http() as http:
-            info = http.get("/get_server_info").json()["engine_info"]["spec"]
+        assert len(servers) == len(methods), [f.exception() for f in starts]
+        for method, s in zip(methods, servers, strict=True):
+            batched = generate(s, prompts, LENGTHS)
+            alone = [generate(s, [p], [n])[0] for p, n in zip(prompts, LENGTHS, strict=True)]
+            with s.http() as http:
+                info = http.get("/get_server_info").json()["engine_info"]["spec"]
+            assert ids(batched) == offline["served"], method
+            assert ids(alone) == offline["served"], method
+            assert info["proposer"] == method
+            verified, accepted = spec_counts(batched + alone)
+            assert verified > 0 and accepted > 0, method
     finally:
-        s.stop()
-    assert ids(batched) == offline["served"] and ids(alone) == offline["served"]
-    assert info["proposer"] == method
-    verified, accepted = spec_counts(batched + alone)
-    assert verified > 0 and accepted > 0
+        for s in servers:
+            s.stop()
 
 
 def test_drafter_hot_swap_under_load(model_dir: Path, prompts, offline, drafters) -> None:
