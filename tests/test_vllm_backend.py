@@ -95,11 +95,11 @@ class Offline:
     (``"nudged"``) weights, from a subprocess that starts at once and is read on first use:
     it runs beside the start of the server a test asks for after it."""
 
-    def __init__(self, job: Path) -> None:
+    def __init__(self, job: Path, served: Path, nudged: Path) -> None:
         self._run = subprocess.Popen([sys.executable, "-m", "tests.vllm_offline", str(job)],
                                      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
-        self._keys = json.loads(job.read_text())["models"]
+        self._models = {"served": str(served), "nudged": str(nudged)}
         self._out: dict[str, list] | None = None
 
     def __getitem__(self, name: str) -> list:
@@ -107,13 +107,14 @@ class Offline:
             stdout, stderr = self._run.communicate(timeout=600)
             assert self._run.returncode == 0, stderr[-3000:]
             out = json.loads(stdout.strip().splitlines()[-1])
-            self._out = {"served": out[self._keys[0]], "nudged": out[self._keys[1]]}
+            self._out = {name: out[model] for name, model in self._models.items()}
         return self._out[name]
 
     def close(self) -> None:
-        if self._run.poll() is None:
+        """Ends the job where no test read it (a failure before its first use)."""
+        if self._out is None:
             self._run.kill()
-        self._run.communicate()
+            self._run.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def offline(model_dir: Path, new_weights: Path, prompts, tmp_path_factory) -> It
            "max_num_seqs": 8, "kv_bytes": kv_cache_bytes(model_dir, cfg, 1024)}
     path = tmp_path_factory.mktemp("job") / "job.json"
     path.write_text(json.dumps(job))
-    done = Offline(path)
+    done = Offline(path, model_dir, new_weights)
     yield done
     done.close()
 
