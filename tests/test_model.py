@@ -190,6 +190,21 @@ def test_bf16_kernel_rows_match_and_do_not_depend_on_threads(rows: int) -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+def test_bf16_kernel_output_does_not_depend_on_the_weight_rows_beside_it(rows: int) -> None:
+    """A thread reads several runs of weight rows at once (a step at a few rows waits on
+    memory, and more streams read faster): an output is summed the same wherever its weight
+    row sits in its tile, so a slice of the weight gives the same bits as the whole."""
+    matvec = own_kernels().matvec
+    g = torch.Generator().manual_seed(rows)
+    for n, k in [(64, 576), (203, 72), (130, 1536), (67, 13)]:
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(rows, k, generator=g)
+        whole = matvec(w, x)  # [rows, n]
+        for lo, hi in [(1, n), (5, n - 3), (n // 2, n), (0, 17)]:
+            assert torch.equal(matvec(w[lo:hi].contiguous(), x), whole[:, lo:hi]), (n, k, lo, hi)
+
+
 def test_bf16_matvec_kernel_takes_and_returns_bf16_exactly() -> None:
     """bf16 rows in: the same values as fp32 rows up to summation order (bit for bit where
     both take the AVX2 path); a bf16 result out: the same bits as rounding the fp32 result."""
