@@ -1,7 +1,8 @@
 """The own CPU kernels: what each buys a decoding engine, and the bf16 products by row count.
 
   ab    one bf16 engine on the default model; between rounds its modules switch one kernel
-        to torch's; decode tokens/s per batch size against all own kernels
+        to torch's (or all of them to another revision's build: ``rev:REV``); decode
+        tokens/s per batch size against all own kernels
   prefill  the same engine's prefill of a few shapes under the same configurations
   rows  the projections of one step by row count (1 row per sequence in a decode step,
         1 + drafts in a verify step): the own kernel against torch
@@ -9,6 +10,7 @@
 Interleaved rounds, medians.
 
     python -m benchmarks.kernels ab
+    python -m benchmarks.kernels ab --configs rev:HEAD~1 --batches 1,2,3,4,8
     python -m benchmarks.kernels prefill --configs widened
     python -m benchmarks.kernels rows
 """
@@ -18,9 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,8 @@ SHORT = {"all": "all own kernels", "layer": "own kernels op by op",
          "avx2": "own product, AVX2 path", "widened": "own attention, keys widened, SDPA prefills",
          "invariant": "batch invariant", "tokens": "prefill attention token by token"}
 ONLY_AVX512_BF16 = ("avx2", "widened")  # configurations that differ from "all" only there
+REV = "rev:"  # "rev:REV": every own kernel as built from revision REV's sources
+REPO = Path(__file__).resolve().parents[1]
 
 
 # a limit configuration's prefix → the ``CpuKernels`` fields it sets, and its words
@@ -73,7 +80,25 @@ def row_limits(config: str) -> dict[str, int] | None:
     return {field: n for prefix, n in parts for field in LIMITS[prefix][0]}
 
 
+@cache  # one build and import per revision and process
+def revision_build(rev: str) -> Any:
+    """The own kernels compiled from revision ``rev``'s sources (``git show``), this
+    checkout's row limits and paths around them."""
+    from tlt_serve.kernels import SOURCES, build_of
+
+    here = Path(tempfile.mkdtemp(prefix="tlt-kernels-"))
+    for f in SOURCES:
+        text = subprocess.run(["git", "show", f"{rev}:tlt_serve/kernels/{f}"], cwd=REPO,
+                              capture_output=True, check=False)
+        if text.returncode:
+            raise SystemExit(f"--configs {REV}{rev}: {text.stderr.decode().strip()}")
+        (here / f).write_bytes(text.stdout)
+    return build_of(here)
+
+
 def label(config: str) -> str:
+    if config.startswith(REV):
+        return f"every own kernel as at {config[len(REV):]}"
     parts = _limit_parts(config)
     if parts is None:
         return LABELS[config]
@@ -89,6 +114,7 @@ def switch(model: Any, kernels: Any, off: str) -> None:
         MATVEC_ROWS_NATIVE_BF16,
         attention_widened,
         batch_invariant,
+        kernels_of,
         matvec_avx2,
     )
     from tlt_serve.models.llama import set_cpu_kernels
@@ -107,7 +133,10 @@ def switch(model: Any, kernels: Any, off: str) -> None:
         kernels = replace(kernels, block_queries=EVERY_ROW)
     elif limits is not None:
         kernels = replace(kernels, **limits)
-    keep = off in ("all", INVARIANT, TOKENS, *ONLY_AVX512_BF16) or limits is not None
+    elif off.startswith(REV):
+        kernels = kernels_of(revision_build(off[len(REV):]), kernels)
+    keep = (off in ("all", INVARIANT, TOKENS, *ONLY_AVX512_BF16) or limits is not None
+            or off.startswith(REV))
     set_cpu_kernels(model, kernels if keep else replace(kernels, **{off: None}))
 
 
@@ -190,7 +219,8 @@ def _engine(
     if own_amx():
         configs = (*configs, TOKENS)
     if a.configs:
-        unknown = {c for c in a.configs if c not in configs and row_limits(c) is None}
+        unknown = {c for c in a.configs
+                   if c not in configs and row_limits(c) is None and not c.startswith(REV)}
         if unknown:
             raise SystemExit(f"--configs: {sorted(unknown)} not among {list(configs)} here")
         configs = ("all", *(c for c in a.configs if c != "all"))
@@ -248,7 +278,7 @@ def plot_prefill(result: dict[str, Any], path: Path) -> None:
     results = result["results"]
     shapes = list(next(iter(results.values())))
     fig, ax = plt.subplots(figsize=(7, 4))
-    grouped_bars(ax, shapes, {SHORT.get(c, f"torch's {c}"): {
+    grouped_bars(ax, shapes, {short(c): {
         s: v["tokens_per_s"] for s, v in r.items()}
                               for c, r in results.items()},
                  [f"{s.replace('x', ' x ')} tokens" for s in shapes])
@@ -258,15 +288,24 @@ def plot_prefill(result: dict[str, Any], path: Path) -> None:
     save(fig, path)
 
 
+def short(config: str) -> str:
+    """A configuration's name in a legend."""
+    if config.startswith(REV):
+        return f"own kernels as at {config[len(REV):]}"
+    return SHORT.get(config, f"torch's {config}")
+
+
 def plot_ab(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     results, batches = result["results"], [str(b) for b in result["args"]["batches"]]
     fig, ax = plt.subplots(figsize=(7, 4))
-    grouped_bars(ax, batches, {SHORT.get(c, f"torch's {c}"): {
+    grouped_bars(ax, batches, {short(c): {
         b: cells["tokens_per_s"] for b, cells in r.items()} for c, r in results.items()},
         [f"batch {b}" for b in batches])
     ax.set_ylabel("decode tokens/s (bf16, greedy)")
-    ax.set_title("Each own CPU kernel switched off in turn")
+    revs = any(c.startswith(REV) for c in results)
+    ax.set_title("The own CPU kernels against another revision's" if revs
+                 else "Each own CPU kernel switched off in turn")
     ax.legend(fontsize=8)
     save(fig, path)
 
@@ -282,7 +321,8 @@ def _ab_arguments(p: argparse.ArgumentParser) -> None:
                         "invariant, rowsN: the own product's row limit N; largeN: the same "
                         "for a layer's products of 4M weights or more; layerN: the "
                         "whole-layer kernel's; joined by +: several; "
-                        "avx2, widened with AVX512-BF16; tokens with AMX); default every one")
+                        "avx2, widened with AVX512-BF16; tokens with AMX; rev:REV: every "
+                        "own kernel built from git revision REV's sources); default every one")
 
 
 # ---- rows ---------------------------------------------------------------------------------

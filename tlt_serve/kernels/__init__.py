@@ -248,6 +248,21 @@ def cpu_kernels() -> CpuKernels | None:
     )
 
 
+def build_of(here: Path) -> Any:
+    """The kernels compiled from the ``SOURCES`` in ``here`` (another revision's, for a
+    side-by-side benchmark; ``kernels_of`` puts them in a model's ``CpuKernels``)."""
+    return _build(openmp=True, here=here)
+
+
+def kernels_of(module: Any, kernels: CpuKernels) -> CpuKernels:
+    """``kernels`` (the row limits, the paths) with ``module``'s compiled functions in place
+    of this build's; one ``module`` lacks: None (torch's, or op by op)."""
+    return replace(kernels, matvec=module.gemv_bf16, norm=module.rms_norm_bf16,
+                   attention=module.attention_bf16,
+                   layer=getattr(module, "decoder_layer_bf16", None),
+                   stack=getattr(module, "decoder_stack_bf16", None))
+
+
 def sampling_kernels() -> SamplingKernels | None:
     """The own sampling kernels (see ``SamplingKernels``), or None: use torch's ops."""
     module = _module()
@@ -352,8 +367,9 @@ def native_bf16_gemm() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _build(openmp: bool) -> Any:
-    """Compile (or load the cached build of) the kernels.
+def _build(openmp: bool, here: Path | None = None) -> Any:
+    """Compile (or load the cached build of) the kernels (of the ``SOURCES`` in ``here``,
+    by default this package's: another revision's, for a side-by-side benchmark).
 
     ``at::parallel_for`` in an extension splits work over torch's threads only when the
     extension itself is compiled with OpenMP: without ``-fopenmp`` its pragma is ignored and
@@ -365,7 +381,7 @@ def _build(openmp: bool) -> Any:
 
     omp = ["-fopenmp"] if openmp else []
     cflags = ["-O3", "-mavx2", "-mfma", *omp]
-    here = Path(__file__).parent
+    here = here or Path(__file__).parent
     name = f"tlt_serve_bf16_{build_key(here, cflags)}" + ("_omp" if openmp else "")
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
     build_dir = Path(root) / name
