@@ -306,6 +306,7 @@ def plot_ab(result: dict[str, Any], path: Path) -> None:
     revs = any(c.startswith(REV) for c in results)
     ax.set_title("The own CPU kernels against another revision's" if revs
                  else "Each own CPU kernel switched off in turn")
+    fig.suptitle(f"{result['machine']} ({result['date']}, {result['commit']})", fontsize=8)
     ax.legend(fontsize=8)
     save(fig, path)
 
