@@ -82,18 +82,19 @@ def row_limits(config: str) -> dict[str, int] | None:
 
 @cache  # one build and import per revision and process
 def revision_build(rev: str) -> Any:
-    """The own kernels compiled from revision ``rev``'s sources (``git show``), this
-    checkout's row limits and paths around them."""
+    """The own kernels compiled from revision ``rev``'s sources (``git show``); the build
+    lands in torch's extension folder, the sources are removed after it."""
     from tlt_serve.kernels import SOURCES, build_of
 
-    here = Path(tempfile.mkdtemp(prefix="tlt-kernels-"))
-    for f in SOURCES:
-        text = subprocess.run(["git", "show", f"{rev}:tlt_serve/kernels/{f}"], cwd=REPO,
-                              capture_output=True, check=False)
-        if text.returncode:
-            raise SystemExit(f"--configs {REV}{rev}: {text.stderr.decode().strip()}")
-        (here / f).write_bytes(text.stdout)
-    return build_of(here)
+    with tempfile.TemporaryDirectory(prefix="tlt-kernels-") as tmp:
+        here = Path(tmp)
+        for f in SOURCES:
+            text = subprocess.run(["git", "show", f"{rev}:tlt_serve/kernels/{f}"], cwd=REPO,
+                                  capture_output=True, check=False)
+            if text.returncode:
+                raise SystemExit(f"--configs {REV}{rev}: {text.stderr.decode().strip()}")
+            (here / f).write_bytes(text.stdout)
+        return build_of(here)
 
 
 def label(config: str) -> str:
@@ -285,6 +286,12 @@ def plot_prefill(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("prefill tokens/s (bf16)")
     ax.set_title("Prefill under each kernel configuration")
     ax.legend(fontsize=8)
+    stamped_save(fig, result, path)
+
+
+def stamped_save(fig: Any, result: dict[str, Any], path: Path) -> None:
+    """Saves ``fig`` with the run's host, date and commit above it."""
+    fig.suptitle(f"{result['machine']} ({result['date']}, {result['commit']})", fontsize=8)
     save(fig, path)
 
 
@@ -306,9 +313,8 @@ def plot_ab(result: dict[str, Any], path: Path) -> None:
     revs = any(c.startswith(REV) for c in results)
     ax.set_title("The own CPU kernels against another revision's" if revs
                  else "Each own CPU kernel switched off in turn")
-    fig.suptitle(f"{result['machine']} ({result['date']}, {result['commit']})", fontsize=8)
     ax.legend(fontsize=8)
-    save(fig, path)
+    stamped_save(fig, result, path)
 
 
 def _ab_arguments(p: argparse.ArgumentParser) -> None:
@@ -417,7 +423,7 @@ def plot_rows(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ms for all projections of one step")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
-    save(fig, path)
+    stamped_save(fig, result, path)
 
 
 def _rows_arguments(p: argparse.ArgumentParser) -> None:

@@ -76,10 +76,11 @@ static void rows_kernel(const uint16_t* w, const float* xv, float* out, int64_t 
   if constexpr (T > 1) rows_kernel<M, 1>(w, xv, out, N, K, begin + T * run, end);
 }
 
-// One row of X: T runs of weight rows at once, (end - begin) / T rows apart. One core
-// following one stream of weight rows read 19-21 GB/s here, four at once 27-33 GB/s (the
-// default model's 212 MB of layer weights, 2 threads, ad hoc), and a step at batch 1 is those
-// reads. Each row is summed as with T = 1 (four 8-lane chains over alternating blocks, in one
+// One row of X: T runs of weight rows at once, (end - begin) / T rows apart. A core following
+// one stream of weight rows reads memory slower than one following several: the 210 products
+// of a step of the default model (212 MB, 2 threads, ad hoc, three alternating pairs) read
+// 15.5-17.6 GB/s with one run per thread, 20.1-24.4 GB/s with four, and a step at batch 1 is
+// those reads. Each row is summed as with T = 1 (four 8-lane chains over alternating blocks, in one
 // order): the same bits whatever T, whichever run a row falls in.
 constexpr int kStreams = 4;
 
