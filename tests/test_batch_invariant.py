@@ -24,13 +24,11 @@ from tlt_serve.config import (
     SpecConfig,
 )
 from tlt_serve.flags import parse as parse_serve_flags
-from tlt_serve.kernels import EVERY_ROW, own_avx512_bf16
+from tlt_serve.kernels import EVERY_ROW
 
 
 def invariant_llm(path: Path, spec: SpecConfig | None = None, prefix_cache: bool = False) -> LLM:
     own_kernels()  # a skip without them (a failure where they are required)
-    if not own_avx512_bf16():  # refused there: test_refused_without_avx512_bf16
-        pytest.skip("no AVX512-BF16: the own product is not row-invariant, the mode is refused")
     return LLM(config=EngineConfig(
         model=ModelConfig(model=str(path), dtype="bfloat16", max_model_len=512,
                           batch_invariant=True),
@@ -147,16 +145,6 @@ def test_torchs_silu_is_row_invariant() -> None:
                     assert torch.equal(F.silu(x), alone), (width, n, rows)
     finally:
         torch.set_num_threads(threads)
-
-
-def test_refused_without_avx512_bf16(tiny_model_dir: Path, monkeypatch) -> None:
-    """The AVX2 product sums 1, 2-4, 5-7 and 8+ rows in different orders: no invariance there."""
-    from tlt_serve.models import loader
-
-    own_kernels()
-    monkeypatch.setattr(loader, "own_avx512_bf16", lambda: False)
-    with pytest.raises(ConfigError, match="^batch_invariant: needs a CPU with AVX512-BF16"):
-        loader.build_model(tiny_model_dir, torch.bfloat16, 64, batch_invariant=True)
 
 
 def test_the_flag(capsys) -> None:

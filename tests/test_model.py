@@ -223,6 +223,25 @@ def test_bf16_matvec_kernel_takes_and_returns_bf16_exactly() -> None:
         assert out.dtype == torch.bfloat16 and torch.equal(out, ref.bfloat16())
 
 
+def test_avx2_product_of_a_row_does_not_depend_on_the_other_rows() -> None:
+    """On the AVX2 path too every output is summed one way whatever the row count: 1 row (four
+    runs of weight rows), 2-7 (one pass), 8 and more (blocks of 4 rows x 3 weight rows, the
+    1-3 rows left one pass) give a row the bits it gets alone, at every position among the
+    others, for K with and without a tail of columns after the 8-wide blocks, and N past one
+    tile of 64 weight rows or not a multiple of the 3 or 4 a kernel takes at once."""
+    own_kernels()
+    avx2 = matvec_avx2()
+    assert avx2 is not None
+    g = torch.Generator().manual_seed(2)
+    for n, k in [(200, 576), (67, 1536), (33, 40), (130, 13), (7, 4133)]:
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(21, k, generator=g)
+        alone = torch.cat([avx2(w, x[i : i + 1]) for i in range(21)])  # [21, n]
+        for lo, hi in [(0, 2), (1, 4), (0, 4), (3, 8), (0, 7), (5, 13), (2, 11), (0, 21)]:
+            assert torch.equal(avx2(w, x[lo:hi]), alone[lo:hi]), (n, k, lo, hi)
+        assert torch.equal(avx2(w, x[4]), alone[4])  # a 1-D row
+
+
 def test_avx512_bf16_product_of_a_row_does_not_depend_on_the_other_rows() -> None:
     """On the AVX512-BF16 path every row is summed the same way whatever the row count: a
     sequence's bf16 products in a verify step or a batch equal its products alone. Rows of

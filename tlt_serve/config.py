@@ -37,7 +37,7 @@ class ModelConfig:
     # On a GPU, the attention of those steps: torch's (sdpa) or the own Triton kernel
     # (kernels/decode_attention.py; not yet timed on a GPU)
     attention_backend: str = "sdpa"
-    # On a CPU with AVX512-BF16, in bf16: every product and attention through the own
+    # In bf16 on a CPU (AVX2 or better): every product and attention through the own
     # kernels, whatever the rows of a step, so a token's logits depend on the tokens before
     # it only (not on the batch, prefill or decode, speculation, the prefix cache, scoring)
     batch_invariant: bool = False

@@ -59,7 +59,7 @@ def parse(argv: list[str]) -> ServerConfig:
                        help="on a GPU, the attention of the native engine's compiled CUDA-graph "
                        "steps: torch's (sdpa) or the own Triton kernel, split over the keys")
     serve.add_argument("--batch-invariant", action="store_true",
-                       help="CPU with AVX512-BF16, bf16: every product and attention through "
+                       help="bf16 on a CPU (AVX2 or better): every product and attention through "
                        "the own kernels "
                        "whatever a step's rows, so a sequence's logprobs do not depend on its "
                        "batch, on speculation or the prefix cache, and scoring it returns "

@@ -11,26 +11,30 @@
 #include <cmath>
 #include <vector>
 
+// Every output of the AVX2 product is summed in one order, whatever M and whichever kernel
+// below takes it: one 8-lane chain of FMAs over the 8-wide blocks of K in order, its lanes
+// added by hsum, then the columns after the last whole block one by one. So a row's result
+// does not depend on the rows beside it (a verify step's rows get a decode step's bits), nor
+// on the split over threads. The chains the loop needs to keep the FMA units busy come from
+// several weight rows at once and several rows of X, never from splitting one output's sum.
+//
 // Y[M, N] = X[M, K] · W[N, K]^T for M < 8 rows: each bf16 weight row is read once and
 // multiplied into all M rows (a verify step at batch 1 scores a handful of tokens, and
-// reading bf16 once beats an fp32 GEMM that reads twice the bytes). Up to 4 rows, alternate
-// 8-wide blocks go to a second set of accumulators: with M chains of dependent FMAs the loop
-// waits on FMA latency (2-4 rows: 10-20% faster measured here; more rows have chains enough).
-// From 3 rows up the weight row 16 rows on is prefetched into L2, as on the AVX512-BF16 path
-// below (kPrefetchRows).
+// reading bf16 once beats an fp32 GEMM that reads twice the bytes). From 3 rows up the weight
+// row 16 rows on is prefetched into L2, as on the AVX512-BF16 path below (kPrefetchRows).
 constexpr int64_t kPrefetchRows = 16;
 
-// T runs of weight rows at once, (end - begin) / T rows apart (see gemv_kernel: one stream
-// of weight rows per core reads memory slower than several), each row summed as with T = 1:
-// the same bits whatever T. Two at 2-3 rows (the 210 products of a step of the default model
-// read x1.04-1.2 faster, ad hoc), where the accumulators of two runs still fit AVX2's 16
-// registers; from 3 rows on the weight rows 16 ahead are prefetched as well.
-constexpr int streams_for(int M) { return M <= 3 ? 2 : 1; }
+// T runs of weight rows at once, (end - begin) / T rows apart. A core following one stream of
+// weight rows reads memory slower than one following several: the 210 products of a step of
+// the default model (212 MB, 2 threads, ad hoc, three alternating pairs) read 15.5-17.6 GB/s
+// with one run per thread, 20.1-24.4 GB/s with four, and a step at batch 1 is those reads.
+// The runs' T x M chains of FMAs also hide the FMA's latency (one chain per output): four runs
+// at 1-2 rows, three at 3 and two at 4 (at most 12 accumulators), one from 5 rows on.
+constexpr int streams_for(int M) { return M <= 2 ? 4 : M == 3 ? 3 : M == 4 ? 2 : 1; }
 
 template <int M, int T>
 static void rows_kernel(const uint16_t* w, const float* xv, float* out, int64_t N, int64_t K,
                         int64_t begin, int64_t end) {
-  constexpr int S = M <= 4 ? 2 : 1;  // accumulator sets
   constexpr bool ahead = M >= 3;
   const int64_t run = (end - begin) / T;
   for (int64_t i = 0; i < run; ++i) {
@@ -41,80 +45,29 @@ static void rows_kernel(const uint16_t* w, const float* xv, float* out, int64_t 
       row[t] = w + n * K;
       next[t] = reinterpret_cast<const char*>(w + std::min(n + kPrefetchRows, N - 1) * K);
     }
-    __m256 acc[T][S][M];
+    __m256 acc[T][M];
     for (int t = 0; t < T; ++t)
-      for (int s = 0; s < S; ++s)
-        for (int m = 0; m < M; ++m) acc[t][s][m] = _mm256_setzero_ps();
+      for (int m = 0; m < M; ++m) acc[t][m] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 8 * S <= K; k += 8 * S) {
+    for (; k + 8 <= K; k += 8) {
       if (ahead && k % 32 == 0)  // one cache line
         for (int t = 0; t < T; ++t) _mm_prefetch(next[t] + 2 * k, _MM_HINT_T1);
-      for (int s = 0; s < S; ++s) {
-        __m256 wv[T];
-        for (int t = 0; t < T; ++t) wv[t] = load_bf16x8(row[t] + k + 8 * s);
-        for (int m = 0; m < M; ++m) {
-          const __m256 x = _mm256_loadu_ps(xv + m * K + k + 8 * s);
-          for (int t = 0; t < T; ++t) acc[t][s][m] = _mm256_fmadd_ps(wv[t], x, acc[t][s][m]);
-        }
+      __m256 wv[T];
+      for (int t = 0; t < T; ++t) wv[t] = load_bf16x8(row[t] + k);
+      for (int m = 0; m < M; ++m) {
+        const __m256 x = _mm256_loadu_ps(xv + m * K + k);
+        for (int t = 0; t < T; ++t) acc[t][m] = _mm256_fmadd_ps(wv[t], x, acc[t][m]);
       }
     }
-    for (; k + 8 <= K; k += 8)
-      for (int t = 0; t < T; ++t) {
-        const __m256 wv = load_bf16x8(row[t] + k);
-        for (int m = 0; m < M; ++m)
-          acc[t][0][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xv + m * K + k), acc[t][0][m]);
-      }
     for (int t = 0; t < T; ++t)
       for (int m = 0; m < M; ++m) {
-        __m256 total = acc[t][0][m];
-        for (int s = 1; s < S; ++s) total = _mm256_add_ps(total, acc[t][s][m]);
-        float sum = hsum(total);
-        for (int64_t j = k; j < K; ++j) sum += bf16_to_f32(row[t][j]) * xv[m * K + j];
+        float sum = hsum(acc[t][m]);
+        for (int64_t j = k; j < K; ++j)
+          sum = std::fma(bf16_to_f32(row[t][j]), xv[m * K + j], sum);
         out[m * N + begin + t * run + i] = sum;
       }
   }
   if constexpr (T > 1) rows_kernel<M, 1>(w, xv, out, N, K, begin + T * run, end);
-}
-
-// One row of X: T runs of weight rows at once, (end - begin) / T rows apart. A core following
-// one stream of weight rows reads memory slower than one following several: the 210 products
-// of a step of the default model (212 MB, 2 threads, ad hoc, three alternating pairs) read
-// 15.5-17.6 GB/s with one run per thread, 20.1-24.4 GB/s with four, and a step at batch 1 is
-// those reads. Each row is summed as with T = 1 (four 8-lane chains over alternating blocks, in one
-// order): the same bits whatever T, whichever run a row falls in.
-constexpr int kStreams = 4;
-
-template <int T>
-static void gemv_kernel(const uint16_t* w, const float* xv, float* out, int64_t K,
-                        int64_t begin, int64_t end) {
-  const int64_t run = (end - begin) / T;
-  for (int64_t i = 0; i < run; ++i) {
-    const uint16_t* row[T];
-    __m256 acc[T][4];
-    for (int t = 0; t < T; ++t) {
-      row[t] = w + (begin + t * run + i) * K;
-      for (int c = 0; c < 4; ++c) acc[t][c] = _mm256_setzero_ps();
-    }
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32)
-      for (int c = 0; c < 4; ++c) {
-        const __m256 x = _mm256_loadu_ps(xv + k + 8 * c);
-        for (int t = 0; t < T; ++t)
-          acc[t][c] = _mm256_fmadd_ps(load_bf16x8(row[t] + k + 8 * c), x, acc[t][c]);
-      }
-    for (; k + 8 <= K; k += 8) {
-      const __m256 x = _mm256_loadu_ps(xv + k);
-      for (int t = 0; t < T; ++t)
-        acc[t][0] = _mm256_fmadd_ps(load_bf16x8(row[t] + k), x, acc[t][0]);
-    }
-    for (int t = 0; t < T; ++t) {
-      float sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]),
-                                     _mm256_add_ps(acc[t][2], acc[t][3])));
-      for (int64_t j = k; j < K; ++j) sum += bf16_to_f32(row[t][j]) * xv[j];
-      out[begin + t * run + i] = sum;
-    }
-  }
-  if constexpr (T > 1) gemv_kernel<1>(w, xv, out, K, begin + T * run, end);
 }
 
 // Y[B, A] for A weight rows from n times B rows of X, A x B accumulators: each 8-wide block of
@@ -144,7 +97,8 @@ static void block_kernel(const uint16_t* w, const float* xv, float* out, int64_t
   for (int a = 0; a < A; ++a)
     for (int b = 0; b < B; ++b) {
       float sum = hsum(acc[a][b]);
-      for (int64_t j = k; j < K; ++j) sum += bf16_to_f32(row[a * K + j]) * xv[b * K + j];
+      for (int64_t j = k; j < K; ++j)
+        sum = std::fma(bf16_to_f32(row[a * K + j]), xv[b * K + j], sum);
       out[b * N + n + a] = sum;
     }
 }
@@ -155,9 +109,9 @@ constexpr int kBlockW = 3, kBlockX = 4;  // block_kernel's weight rows x rows of
 // against 3 weight rows at a time (a tile's last one or two weight rows together), the 1-3
 // rows left one weight row at a time; fewer than 8 rows in one pass over the weights, one
 // weight row at a time, while the product waits on memory rather than on loads (5 rows in two
-// passes, 4 + 1, measured 13% slower here). Which rows of X an output's row takes depends on
-// M alone, and block_kernel sums the same whatever A: the split over threads (tiles starting
-// elsewhere) changes no bit.
+// passes, 4 + 1, measured 13% slower here). Both kernels sum an output the one way (see
+// rows_kernel), so neither M, a row's place among the others, nor the split over threads
+// (tiles starting elsewhere) changes a bit.
 static void rows_block(const uint16_t* w, const float* xv, float* out, int64_t M, int64_t N,
                        int64_t K, int64_t begin, int64_t end) {
   int64_t c = 0;
@@ -174,7 +128,7 @@ static void rows_block(const uint16_t* w, const float* xv, float* out, int64_t M
   const float* x = xv + c * K;
   float* o = out + c * N;
   switch (M - c) {
-    case 1: gemv_kernel<kStreams>(w, x, o, K, begin, end); break;
+    case 1: rows_kernel<1, streams_for(1)>(w, x, o, N, K, begin, end); break;
     case 2: rows_kernel<2, streams_for(2)>(w, x, o, N, K, begin, end); break;
     case 3: rows_kernel<3, streams_for(3)>(w, x, o, N, K, begin, end); break;
     case 4: rows_kernel<4, streams_for(4)>(w, x, o, N, K, begin, end); break;

@@ -21,7 +21,6 @@ from tlt_serve.kernels import (
     batch_invariant,
     build_error,
     native_bf16_gemm,
-    own_avx512_bf16,
 )
 from tlt_serve.kernels import cpu_kernels as own_kernels
 from tlt_serve.models.arch import ArchConfig
@@ -225,7 +224,4 @@ def _invariant_kernels(available: bool) -> CpuKernels:
     if own is None or own.matvec is None or own.norm is None or own.attention is None:
         why = build_error() or "they need bf16 on a CPU with AVX2 or AVX512"
         raise ConfigError(f"batch_invariant: the own CPU kernels are not available ({why})")
-    if not own_avx512_bf16():
-        raise ConfigError("batch_invariant: needs a CPU with AVX512-BF16 (without it the own "
-                          "product sums a row in an order that depends on the rows beside it)")
     return batch_invariant(own)
