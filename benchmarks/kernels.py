@@ -147,10 +147,10 @@ def ab(a: argparse.Namespace) -> Path:
     the bf16 products (``matvec``), the RMSNorms (``norm``), the decode attention
     (``attention``), or none (``all``); ``layer``: the same kernels op by op instead of the
     whole-layer kernel (which needs all three, so switching any of them off also runs the
-    layers op by op); on CPUs with AVX512-BF16 also ``avx2``: the own product on its AVX2
-    path with the row limit it had there, and ``widened``: the own attention scoring with
-    keys widened to fp32, for decode rows only (prefills to SDPA); and ``invariant``: every
-    row of every step through the own kernels (``--batch-invariant``); with AMX tiles also
+    layers op by op); ``invariant``: every row of every step through the own kernels
+    (``--batch-invariant``); on CPUs with AVX512-BF16 also ``avx2``: the own product on its
+    AVX2 path with the row limit it had there, and ``widened``: the own attention scoring
+    with keys widened to fp32, for decode rows only (prefills to SDPA); with AMX tiles also
     ``tokens``: prefills attending token by token, as decode rows. ``--configs`` picks some
     (``all`` always runs: the reference). Greedy, ``--new-tokens`` per sequence, EOS
     ignored, fresh prompts every round, configurations interleaved, median tokens/s per
@@ -214,9 +214,7 @@ def _engine(
     model, kernels = llm.engine.model, llm.engine.model.kernels  # the full set
     if kernels is None:
         raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
-    # the invariant configuration only where the mode holds (``--batch-invariant`` refuses
-    # other CPUs)
-    configs = (*OFF, INVARIANT, *ONLY_AVX512_BF16) if own_avx512_bf16() else OFF
+    configs = (*OFF, INVARIANT, *(ONLY_AVX512_BF16 if own_avx512_bf16() else ()))
     if own_amx():
         configs = (*configs, TOKENS)
     if a.configs:
