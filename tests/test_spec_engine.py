@@ -114,10 +114,11 @@ def test_bf16_with_the_own_kernels_is_bitwise_plain_decoding(
 ) -> None:
     """In bf16 a token scored in a verify step (several tokens per row) gets exactly what a
     decode step (one per row) gives it: every per-token op is row-wise, and the own attention
-    and the own AVX512-BF16 product compute a row the same way in any batch. So speculation
+    and the own products (AVX2, AVX512-BF16, AMX tiles) compute a row the same way in any
+    batch. So speculation
     is exact in bf16 too, tokens and logprobs, greedy and seeded sampling, while the verify
     rows fit the own product — for trees too (a node sees its prefix and ancestors, what its
-    token sees when decoded). On every CPU the own kernels run on: AVX2, AVX512-BF16, AMX."""
+    token sees when decoded)."""
     import tlt_serve.kernels as kernels_module
 
     own_kernels()

@@ -24,6 +24,15 @@
 // row 16 rows on is prefetched into L2, as on the AVX512-BF16 path below (kPrefetchRows).
 constexpr int64_t kPrefetchRows = 16;
 
+// The end of every output's sum, the one order above: the chain's lanes added, then the
+// columns [k, K) after the last whole 8-wide block, one FMA each.
+static inline float finish_sum(__m256 chain, const uint16_t* row, const float* x, int64_t k,
+                               int64_t K) {
+  float sum = hsum(chain);
+  for (int64_t j = k; j < K; ++j) sum = std::fma(bf16_to_f32(row[j]), x[j], sum);
+  return sum;
+}
+
 // T runs of weight rows at once, (end - begin) / T rows apart. A core following one stream of
 // weight rows reads memory slower than one following several: the 210 products of a step of
 // the default model (212 MB, 2 threads, ad hoc, three alternating pairs) read 15.5-17.6 GB/s
@@ -60,12 +69,8 @@ static void rows_kernel(const uint16_t* w, const float* xv, float* out, int64_t 
       }
     }
     for (int t = 0; t < T; ++t)
-      for (int m = 0; m < M; ++m) {
-        float sum = hsum(acc[t][m]);
-        for (int64_t j = k; j < K; ++j)
-          sum = std::fma(bf16_to_f32(row[t][j]), xv[m * K + j], sum);
-        out[m * N + begin + t * run + i] = sum;
-      }
+      for (int m = 0; m < M; ++m)
+        out[m * N + begin + t * run + i] = finish_sum(acc[t][m], row[t], xv + m * K, k, K);
   }
   if constexpr (T > 1) rows_kernel<M, 1>(w, xv, out, N, K, begin + T * run, end);
 }
@@ -95,12 +100,8 @@ static void block_kernel(const uint16_t* w, const float* xv, float* out, int64_t
     }
   }
   for (int a = 0; a < A; ++a)
-    for (int b = 0; b < B; ++b) {
-      float sum = hsum(acc[a][b]);
-      for (int64_t j = k; j < K; ++j)
-        sum = std::fma(bf16_to_f32(row[a * K + j]), xv[b * K + j], sum);
-      out[b * N + n + a] = sum;
-    }
+    for (int b = 0; b < B; ++b)
+      out[b * N + n + a] = finish_sum(acc[a][b], row + a * K, xv + b * K, k, K);
 }
 
 constexpr int kBlockW = 3, kBlockX = 4;  // block_kernel's weight rows x rows of X
