@@ -80,7 +80,7 @@ def _drift_stage(cfg: DriftConfig, prev: Path, base: Path, out: Path, k: int,
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     save_policy(model, base, out)
     report_ = {"key": key, "losses": losses, "seconds": time.perf_counter() - t0}
