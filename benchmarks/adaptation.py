@@ -42,6 +42,7 @@ from benchmarks.common.prompts import KINDS, chat_prompts, kind_of, tokenizer, v
 from benchmarks.common.results import grouped_bars, names, pyplot, report, save, tool
 from benchmarks.common.servers import running_server
 from benchmarks.common.timing import pct
+from clients.results import spec_verifies
 
 DEPTH = 4
 MAX_POSITIONS = 4096
@@ -239,9 +240,9 @@ async def adaptive_phases(a: argparse.Namespace, dirs: list[Path], url: str) -> 
                 name = f"v{k}-p{i}.safetensors"
                 (a.work / "phases" / name).write_bytes(blob)
                 metas = [o["meta_info"] for o in outs]
-                verify = sum(m.get("spec_verify_ct", 0) for m in metas)
-                accepted = sum(m.get("spec_accept_length", 0) * m.get("spec_verify_ct", 0)
-                               for m in metas)
+                counts = [spec_verifies(m) for m in metas]
+                verify = sum(steps for steps, _ in counts)
+                accepted = sum(took for _, took in counts)
                 versions = sorted({v for m in metas for v in m.get("drafter_versions", [])})
                 phases.append({
                     "version": k, "phase": i, "samples": name, "captured": count,
@@ -631,7 +632,7 @@ def accept(a: argparse.Namespace) -> Path:
     ``--dtype``) once; every drafter then drafts greedy chains of ``--depth`` tokens over
     those answers (no target forward per drafter). Per drafter and per prompt kind (chat /
     reasoning / code): the mean accept over every answer position, the walk accept (the
-    chains greedy serving drafts; what ``spec_accept_length`` would show without the
+    chains greedy serving drafts; what accepted drafts per verify step would be without the
     confidence cut) and top-1."""
     from tlt_serve.models.provision import resolve_model_path
 

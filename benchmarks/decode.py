@@ -45,6 +45,7 @@ from benchmarks.common.load import Endpoint, closed_loop
 from benchmarks.common.prompts import chat_messages, chat_prompts, tokenizer, varied_requests
 from benchmarks.common.results import grouped_bars, ints, names, pyplot, report, save, tool
 from benchmarks.common.servers import VLLM_SERVED_NAME, running_server, running_vllm
+from clients.results import spec_verifies
 from tlt_serve.config import SpecConfig
 
 IN_PROCESS = "in-process"  # the backend name of offline runs
@@ -384,9 +385,9 @@ def measure(http: httpx.Client, cfg: Config, rep: int, prompts: list[list[int]],
     ids = [list(o["output_ids"]) for o in outs]
     verify = accepted = 0.0
     for o in outs:
-        n = int(o["meta_info"].get("spec_verify_ct") or 0)
-        verify += n
-        accepted += float(o["meta_info"].get("spec_accept_length") or 0.0) * n
+        steps, took = spec_verifies(o["meta_info"])
+        verify += steps
+        accepted += took
     return Run(rep, cfg.backend, cfg.method, len(prompts), dt, [len(t) for t in ids],
                int(verify), accepted, output_ids=ids)
 
@@ -417,11 +418,12 @@ def served(a: argparse.Namespace) -> Path:
     (``--methods``) a fresh ``tlt-serve serve --backend B --speculative M`` (speculating at
     every batch size measured unless ``--spec-max-batch``), measured the same way: warmed up
     once, then at each batch size B one ``/generate`` call with B prompts as ``input_ids``:
-    output tokens per wall second of that call, accept length (``spec_accept_length``) and
-    verify steps (``spec_verify_ct``). With ``--vllm-serve`` plain ``vllm serve`` (same python,
-    dtype, max-model-len and max-num-seqs; OpenAI ``/v1/completions`` with token-id prompts) is
-    measured beside them. Repeats restart every server; speedups are against the same backend's
-    ``off``; also native / vLLM ``off`` and our vLLM backend / ``vllm serve``."""
+    output tokens per wall second of that call, accept length (accepted drafts per verify
+    step that drafted) and verify steps (``spec_draft_steps``). With ``--vllm-serve`` plain
+    ``vllm serve`` (same python, dtype, max-model-len and max-num-seqs; OpenAI
+    ``/v1/completions`` with token-id prompts) is measured beside them. Repeats restart every
+    server; speedups are against the same backend's ``off``; also native / vLLM ``off`` and
+    our vLLM backend / ``vllm serve``."""
     check_served(a)
     tok = tokenizer(a.model)
     rows = max(a.batches + (a.vllm_serve_batches if a.vllm_serve else []))

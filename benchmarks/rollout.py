@@ -173,7 +173,8 @@ def vllm_args(a: argparse.Namespace, config: str, rows: int) -> list[str]:
 
 def vllm_accept_length(url: str) -> float | None:
     """Accepted drafts per verification over the server's life (vLLM's spec-decode counters;
-    our ``spec_accept_length``: bonus token excluded), or None without speculation."""
+    ours: ``spec_accept_token_num`` / ``spec_draft_steps``, the bonus token excluded), or None
+    without speculation."""
     totals = {"accepted": 0.0, "drafts": 0.0}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         for key, name in (("accepted", "vllm:spec_decode_num_accepted_tokens_total"),

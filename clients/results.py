@@ -59,7 +59,7 @@ def raise_for(resp: httpx.Response) -> None:
 @dataclass(frozen=True)
 class SpecStats:
     accept_length: float  # mean accepted drafts per verify step (bonus token excluded)
-    verify_ct: int
+    verify_ct: int  # verify steps that drafted for it
     accept_rate: float
     drafter_versions: tuple[int, ...]
 
@@ -84,14 +84,23 @@ class Sample:
         return len(self.token_ids)
 
 
+def spec_verifies(meta: dict[str, Any]) -> tuple[int, int]:
+    """(verify steps that drafted, drafts accepted) of a sample, from its ``/generate``
+    ``meta_info``: ``spec_draft_steps`` and ``spec_accept_token_num`` (SGLang's
+    ``spec_verify_ct`` counts every decode forward of a speculating server)."""
+    steps = meta.get("spec_draft_steps", meta.get("spec_verify_ct", 0))
+    return int(steps or 0), int(meta.get("spec_accept_token_num", 0) or 0)
+
+
 def parse_sample(body: dict[str, Any]) -> Sample:
     meta = body["meta_info"]
     lps = meta.get("output_token_logprobs")
     spec = None
     if "spec_verify_ct" in meta:
+        steps, accepted = spec_verifies(meta)
         spec = SpecStats(
-            float(meta["spec_accept_length"]),
-            int(meta["spec_verify_ct"]),
+            accepted / steps if steps else 0.0,
+            steps,
             float(meta["spec_accept_rate"]),
             tuple(meta.get("drafter_versions") or ()),
         )

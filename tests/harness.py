@@ -144,7 +144,8 @@ def server_config(
     engine = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32",
                           max_model_len=engine_kw.pop("max_model_len", MAX_MODEL_LEN),
-                          enforce_eager=engine_kw.pop("enforce_eager", False)),
+                          enforce_eager=engine_kw.pop("enforce_eager", False),
+                          max_logprobs=engine_kw.pop("max_logprobs", ModelConfig.max_logprobs)),
         cache=CacheConfig(max_num_seqs=engine_kw.pop("max_num_seqs", 8)),
         **engine_kw,
     )

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import Served, engine_counts, generated_tokens, sse_events, wait_for
+from tests.harness import Served, engine_counts, generated_tokens, scrape, sse_events, wait_for
 
 LONG = {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}
 
@@ -111,6 +111,12 @@ def test_pause_in_place_keeps_requests_and_continue_finishes_them(served, http) 
     assert generated_tokens(http) == frozen  # no steps while paused
     assert engine_counts(http)[0] == 1 and call.thread.is_alive()
     assert http.post("/flush_cache").status_code == 400  # a request still holds KV
+    # vLLM's load gauges, as prime-rl's concurrency control scrapes them
+    rows = http.get("/get_server_info").json()["engine_info"]["max_num_seqs"]
+    m = scrape(http)
+    assert m.value("vllm:num_requests_running", engine="0") == 1
+    assert m.value("vllm:num_requests_waiting") == 0
+    assert m.value("vllm:kv_cache_usage_perc") == pytest.approx(1 / rows)
     http.post("/continue_generation")
     out = call.join().json()
     assert out["meta_info"]["finish_reason"]["type"] == "length"
@@ -129,6 +135,8 @@ def test_pause_abort_returns_partials_and_queues_new_requests(served, http) -> N
     wait_for(lambda: engine_counts(http)[1] == 1)
     time.sleep(0.2)
     assert queued.thread.is_alive()  # paused: waits, is not refused
+    # What slime does next (pause, flush, update): the waiting request holds no KV
+    assert http.post("/flush_cache").status_code == 200
     http.post("/continue_generation")
     assert len(queued.join().json()["output_ids"]) == 4
 

@@ -290,7 +290,7 @@ def test_metrics_follow_drafter_capture_and_speculation_under_load(
     assert grown("tlt_serve_spec_verify_steps_total", batch_bucket="2-4") > 0
     assert after.labels("tlt_serve_spec_verify_steps_total", "batch_bucket") <= {"1", "2-4"}
     assert grown("tlt_serve_spec_sequence_verifies_total") == sum(
-        b["meta_info"]["spec_verify_ct"] for b in resp.json())
+        b["meta_info"]["spec_draft_steps"] for b in resp.json())
     assert after.value("tlt_serve_spec_accept_length_recent") == pytest.approx(
         info["recent_accept_length"], abs=1e-4)
 

@@ -140,6 +140,19 @@ def test_seeds_are_reproducible(http) -> None:
     assert len({tuple(sample(s)) for s in (1, 2, 3, 4)}) > 1
 
 
+def test_top_k_beyond_the_vocabulary_is_no_cut(http) -> None:
+    """AReaL sends top_k 10**8 (SGLang's "all tokens" is 2**30): the same seeded samples and
+    logprobs as no top-k at all."""
+    def sample(top_k: int) -> tuple[list[int], list[float]]:
+        sp = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 5, "top_k": top_k}
+        meta_out = http.post("/generate", json={"text": "hello", "sampling_params": sp,
+                                                "return_logprob": True}).json()
+        return meta_out["output_ids"], [lp for lp, _, _ in
+                                        meta_out["meta_info"]["output_token_logprobs"]]
+
+    assert sample(10**8) == sample(2**30) == sample(-1)
+
+
 def test_n_samples_with_a_seed_differ_but_reproduce(http) -> None:
     sp = {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 9, "n": 3}
     body = {"text": "hi", "sampling_params": sp}

@@ -127,11 +127,15 @@ def test_bodies_over_the_limit_get_413(served: Served) -> None:
         assert resp.status_code == 400 and "413" not in resp.text
 
 
-def test_cli_limit_flags() -> None:
+def test_cli_limit_flags(capsys) -> None:
     cfg = parse_serve_flags(["--admin-key", "a", "--api-key", "u", "--request-timeout", "30",
-                      "--max-body-mb", "2", "--max-waiting", "16"])
+                      "--max-body-mb", "2", "--max-waiting", "16", "--max-logprobs", "-1"])
     assert (cfg.admin_key, cfg.api_key, cfg.request_timeout_s) == ("a", "u", 30.0)
     assert cfg.max_body_bytes == 2 << 20 and cfg.engine.scheduler.max_waiting == 16
+    assert cfg.engine.model.max_logprobs == -1
+    with pytest.raises(SystemExit):
+        parse_serve_flags(["--max-logprobs", "-2"])
+    assert "--max-logprobs: max_logprobs: must be >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("kw", "field"), [

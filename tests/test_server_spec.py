@@ -90,31 +90,38 @@ def test_ngram_greedy_outputs_equal_plain_server(served, spec_served) -> None:
     for o in plain:
         assert not set(SPEC_META) & set(o["meta_info"])  # only when the server speculates
     metas = [o["meta_info"] for o in spec]
-    assert any(m["spec_verify_ct"] > 0 for m in metas)
+    assert any(m["spec_draft_steps"] > 0 for m in metas)
     for m in metas:
         assert m["completion_tokens"] == 40
         assert 0.0 <= m["spec_accept_rate"] <= 1.0
-        assert 0.0 <= m["spec_accept_length"] <= 4  # at most num_draft_tokens per step
-        # The prefill commits one token, each verify step accepted + 1: never more than 40.
-        accepted = round(m["spec_accept_length"] * m["spec_verify_ct"])
-        assert 1 + m["spec_verify_ct"] + accepted <= m["completion_tokens"]
-        # SGLang's totals, as slime reads them
-        assert m["spec_accept_token_num"] == accepted
+        # SGLang's meaning, as slime reads it: spec_verify_ct counts the decode forwards, and
+        # accept_length is tokens per forward (the bonus included).
+        forwards, accepted = m["spec_verify_ct"], m["spec_accept_token_num"]
+        assert m["spec_draft_steps"] <= forwards
+        assert m["spec_accept_length"] == pytest.approx(40 / forwards)
+        assert 1.0 < m["spec_accept_length"] <= 5  # num_draft_tokens + the bonus per forward
+        # The prefill commits one token, every forward one more and a verify step what it
+        # accepted (a step the length limit cut, less).
+        assert 1 + forwards <= 40 <= 1 + forwards + accepted
         assert m["spec_accept_rate"] == pytest.approx(
             accepted / m["spec_draft_token_num"] if m["spec_draft_token_num"] else 0.0)
-    assert any(m["spec_accept_length"] > 0 for m in metas), "random tiny models repeat"
+    assert any(m["spec_accept_token_num"] > 0 for m in metas), "random tiny models repeat"
 
 
 def test_streaming_meta_info_carries_spec_counts(spec_served) -> None:
     body = {"text": PROMPTS[0], "sampling_params": GREEDY_LONG, "stream": True}
-    with spec_served.http() as http, http.stream("POST", "/generate", json=body) as resp:
-        events = sse_events(resp.iter_lines())
+    with spec_served.http() as http:
+        steps = http.get("/get_server_info").json()["stats"]["decode_steps"]
+        with http.stream("POST", "/generate", json=body) as resp:
+            events = sse_events(resp.iter_lines())
+        steps = http.get("/get_server_info").json()["stats"]["decode_steps"] - steps
     for e in events:
         assert set(SPEC_META) <= set(e["meta_info"])
     last = events[-1]["meta_info"]
     assert last["completion_tokens"] == 40
     counts = [e["meta_info"]["spec_verify_ct"] for e in events]
     assert counts == sorted(counts)  # cumulative
+    assert last["spec_verify_ct"] == steps  # alone, its forwards are the engine's decode steps
 
 
 def test_server_info_and_metrics_report_speculation(served, spec_served) -> None:
@@ -137,13 +144,12 @@ def test_server_info_and_metrics_report_speculation(served, spec_served) -> None
     steps, verifies, drafted, accepted = (m.value(n) - before[n] for n in names)
     assert 0 < steps <= verifies and 0 <= accepted <= drafted
     # The counters add up the requests' own counts (the batch is all that ran meanwhile).
-    assert verifies == sum(meta["spec_verify_ct"] for meta in metas)
-    assert accepted == sum(round(meta["spec_accept_length"] * meta["spec_verify_ct"])
-                           for meta in metas)
+    assert verifies == sum(meta["spec_draft_steps"] for meta in metas)
+    assert accepted == sum(meta["spec_accept_token_num"] for meta in metas)
     # Per batch-size bucket: the buckets the policy measured are the ones that verified.
     buckets = m.labels("tlt_serve_spec_verify_steps_total", "batch_bucket")
     assert buckets and buckets <= set(info["stats"]["spec_by_bucket"])
-    for b in buckets:  # per sequence and verify step, like meta_info: <= num_draft_tokens
+    for b in buckets:  # per sequence and verify step: <= num_draft_tokens
         length = m.value("tlt_serve_spec_accept_length", batch_bucket=b)
         assert length == pytest.approx(
             m.value("tlt_serve_spec_accepted_tokens_total", batch_bucket=b)

@@ -177,11 +177,35 @@ def test_missing_disk_checkpoint_is_400(http, tmp_path, expected) -> None:
     assert generate(http)["output_ids"] == expected["base"]
 
 
-def test_update_weight_version(http) -> None:
-    resp = http.post("/update_weight_version", json={"new_version": "step-42"})
-    assert resp.status_code == 200 and resp.json()["weight_version"] == "step-42"
-    assert http.get("/get_weight_version").json()["weight_version"] == "step-42"
-    assert generate(http)["meta_info"]["weight_version"] == "step-42"
+def test_update_weight_version(served, http) -> None:
+    """By SGLang's default a running request ends first (abort, its partial output on the old
+    version); with ``abort_all_requests`` false it goes on under the new version."""
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 240,
+                                                       "ignore_eos": True}}
+    outs: list[dict] = []
+
+    def run() -> None:
+        with served.http() as c:
+            outs.append(c.post("/generate", json=body).json())
+
+    for version, keep in (("step-42", None), ("step-43", False)):
+        worker = threading.Thread(target=run)
+        worker.start()
+        wait_for(lambda: engine_counts(http)[0] == 1, interval=0.001)
+        http.post("/pause_generation", json={"mode": "in_place"})  # it cannot finish first
+        req = {"new_version": version} if keep is None else {
+            "new_version": version, "abort_all_requests": keep}
+        resp = http.post("/update_weight_version", json=req)
+        assert resp.status_code == 200 and resp.json()["weight_version"] == version
+        http.post("/continue_generation")
+        worker.join(120)
+    assert len(outs) == 2
+    aborted, kept = (o["meta_info"] for o in outs)
+    assert aborted["finish_reason"]["type"] == "abort" and aborted["weight_versions"] == ["base"]
+    assert kept["finish_reason"]["type"] == "length"
+    assert kept["weight_versions"][0] == "step-42" and kept["weight_versions"][-1] == "step-43"
+    assert http.get("/get_weight_version").json()["weight_version"] == "step-43"
+    assert generate(http)["meta_info"]["weight_version"] == "step-43"
 
 
 @pytest.mark.parametrize("mode", ["in_place", "abort"])

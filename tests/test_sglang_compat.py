@@ -91,6 +91,29 @@ def test_slime_sampling_extras(http) -> None:
     assert outs[1]["text"].startswith(outs[0]["text"])  # + the stop token's text, if any
 
 
+def test_null_sampling_fields_are_their_defaults(http) -> None:
+    """SGLang reads a null as the default (slime's agent adapter copies an OpenAI-style
+    body's nulls through); a null max_new_tokens runs to the end of the context."""
+    nulls = {"temperature": None, "top_p": None, "top_k": None, "min_p": None, "n": None,
+             "frequency_penalty": None, "presence_penalty": None, "repetition_penalty": None,
+             "min_new_tokens": None}
+    seeded = {"max_new_tokens": 8, "sampling_seed": 7}
+    assert generate(http, sampling_params={**seeded, **nulls})["output_ids"] == generate(
+        http, sampling_params=seeded)["output_ids"]
+    room = http.get("/get_model_info").json()["max_model_len"] - len(PROMPT)
+    whole = generate(http, sampling_params={"max_new_tokens": None, "temperature": 0,
+                                            "ignore_eos": True})
+    assert len(whole["output_ids"]) == room
+    assert whole["meta_info"]["finish_reason"]["type"] == "length"
+    # below SGLang's 1e-6 a temperature is greedy, logprobs too (not of logits / 1e-7)
+    def lps(temperature: float) -> list[float]:
+        out = generate(http, return_logprob=True, sampling_params={
+            "max_new_tokens": 8, "temperature": temperature, "sampling_seed": 3})
+        return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+    assert lps(1e-7) == lps(0.0) and min(lps(0.0)) < -0.01
+
+
 def test_areal_generate_bodies(http) -> None:
     """The /generate bodies AReaL 1.0.4 builds (SGLangBackend.build_generation_request;
     tests/test_areal.py runs AReaL itself): every sampling field at its GenerationHyperparameters
@@ -133,6 +156,7 @@ def test_server_info_and_load_reports(http) -> None:
     assert info == {**http.get("/get_server_info").json(), "stats": info["stats"],
                     "stats_stale": info["stats_stale"]}
     assert info["tp_size"] == info["dp_size"] == 1 and info["enable_memory_saver"] is False
+    assert info["dtype"] == info["engine_info"]["dtype"]  # slime's --fp16 check reads it
     assert info["served_model_name"] and info["model_path"]
     load = http.get("/get_load").json()
     assert load == [{"dp_rank": 0, "num_reqs": 0, "num_running_reqs": 0,

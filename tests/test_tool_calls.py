@@ -379,3 +379,37 @@ def test_the_default_model_through_the_whole_route() -> None:
     finally:
         s.stop()
 
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model_factory) -> None:
+    """vLLM's and SGLang's ``chat_template_kwargs``: variables the template reads (here, as
+    Qwen3's, ``enable_thinking`` false opens the answer with an empty think block); what
+    the request itself passes the template is refused by name."""
+    model = tiny_model_factory("llama", seed=5)
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    tok.chat_template = tok.chat_template + (
+        "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+        "<think>\n\n</think>\n\n{% endif %}")
+    tok.save_pretrained(model)
+    s = serve(model)
+    try:
+        with s.http() as http:
+            def prompt(**extra: Any) -> list[int]:
+                r = http.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                    "return_token_ids": True, **extra})
+                assert r.status_code == 200, r.text
+                out: list[int] = r.json()["prompt_token_ids"]
+                return out
+
+            plain = prompt()
+            quiet = prompt(chat_template_kwargs={"enable_thinking": False})
+            assert prompt(chat_template_kwargs={"enable_thinking": True}) == plain
+            assert tok.decode(quiet) == tok.decode(plain) + "<think>\n\n</think>\n\n"
+            bad = http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"add_generation_prompt": False}})
+            assert bad.status_code == 400
+            assert bad.json()["error"]["param"] == "chat_template_kwargs.add_generation_prompt"
+    finally:
+        s.stop()

@@ -1,10 +1,10 @@
 """TRL 1.16's own ``VLLMClient`` (``trl.generation.vllm_client``) against a running server:
 ``get_world_size``, ``generate`` with token-id prompts and logprobs (as ``/generate``
 answers), ``get_sequence_logprobs`` (prompt logprobs: teacher forcing's, with the top ones),
-``chat`` with token ids, ``reset_prefix_cache``. The client runs in a process of its own
-(``tests/trl_driver.py``). Its weight path (``init_communicator``, vLLM's NCCL weight-transfer
-engine) needs CUDA and is not served: ``tests/test_vllm_dialect.py`` tests the weight routes
-a trainer uses here.
+``chat`` with token ids, ``reset_prefix_cache``, ``get_server_info``. The client runs in a
+process of its own (``tests/trl_driver.py``). Its weight path (``init_communicator``, vLLM's
+NCCL weight-transfer engine on CUDA) is not served, and the client says so before anything
+else; ``tests/test_vllm_dialect.py`` tests the weight routes a trainer uses here.
 
 Needs trl (``bash scripts/install.sh --trl``) and vLLM (which the client imports); skipped
 without them, except where ``TLT_REQUIRE_TRL=1`` (CI) makes their absence a failure."""
@@ -12,19 +12,29 @@ without them, except where ``TLT_REQUIRE_TRL=1`` (CI) makes their absence a fail
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from tests.harness import need
+from tests.harness import Served, need, serve
 
 REPO = Path(__file__).resolve().parents[1]
 need("trl", "bash scripts/install.sh --trl", "TLT_REQUIRE_TRL", load=False)
 need("vllm", "bash scripts/install.sh --vllm", "TLT_REQUIRE_TRL", load=False)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[Served]:
+    """As a TRL user starts vLLM for teacher scoring: ``--max-logprobs 100``."""
+    s = serve(tiny_model_dir, max_logprobs=100)
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +81,10 @@ def test_sequence_logprobs_are_teacher_forcings(trl_run, tiny_model_dir: Path) -
                                        abs=1e-4)
         assert scored["logprob_token_ids"][i] == [ref[p - 1].topk(3).indices.tolist()
                                                   for p in range(start, len(seq))]
+        wide = trl_run["scored_default"]  # TRL's default asks the top 100 of every position
+        assert [len(ids) for ids in wide["logprob_token_ids"][i]] == [100] * (len(seq) - start)
+        assert [ids[:3] for ids in wide["logprob_token_ids"][i]] == scored["logprob_token_ids"][i]
+        assert all(math.isfinite(lp) for pos in wide["logprobs"][i] for lp in pos)  # no padding
 
 
 def test_chat_returns_token_ids_as_the_server_renders(trl_run, http) -> None:
@@ -80,3 +94,11 @@ def test_chat_returns_token_ids_as_the_server_renders(trl_run, http) -> None:
         "return_token_ids": True}).json()
     assert chat["prompt_ids"] == [ref["prompt_token_ids"]]
     assert chat["completion_ids"] == [ref["choices"][0]["token_ids"]]
+
+
+def test_server_info_as_trl_reads_it_and_its_weight_path_refused_by_name(trl_run) -> None:
+    """GRPO reads the logprobs mode (after temperature, as its importance sampling needs);
+    ``init_communicator`` stops at once, naming the weight-transfer engine it lacks, rather
+    than waiting on a rendezvous the server never joins."""
+    assert trl_run["logprobs_mode"] == "processed_logprobs"
+    assert "no weight-transfer engine" in trl_run["init_communicator"]

@@ -163,8 +163,8 @@ def ids(outs: list[dict]) -> list[list[int]]:
 def spec_counts(outs: list[dict]) -> tuple[int, int]:
     """(verify steps, accepted drafts) over ``outs``."""
     metas = [o["meta_info"] for o in outs]
-    verified = sum(m["spec_verify_ct"] for m in metas)
-    return verified, round(sum(m["spec_accept_length"] * m["spec_verify_ct"] for m in metas))
+    return (sum(m["spec_draft_steps"] for m in metas),
+            sum(m["spec_accept_token_num"] for m in metas))
 
 
 def test_greedy_equals_vllm_offline_alone_and_batched(offline, plain: Served, prompts) -> None:
@@ -211,6 +211,17 @@ def test_logprobs_are_the_targets(plain: Served, prompts, model_dir: Path) -> No
     for (_, token, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"],
                                   strict=True):
         assert top[0][1] == token and len(top) == 2
+    # AReaL's request: sampled with logprobs and top_k 10**8, which cuts nothing (a top-k
+    # below the vocabulary would be refused: vLLM's logprobs are of the cut distribution)
+    sp = {"max_new_tokens": 6, "temperature": 1.0, "top_k": 10**8, "sampling_seed": 3}
+    with plain.http(timeout=300) as http:
+        areal = http.post("/generate", json={"input_ids": prompts[0], "sampling_params": sp,
+                                             "return_logprob": True})
+        cut = http.post("/generate", json={"input_ids": prompts[0], "return_logprob": True,
+                                           "sampling_params": {**sp, "top_k": 50}})
+    assert areal.status_code == 200, areal.text
+    assert len(areal.json()["meta_info"]["output_token_logprobs"]) == 6
+    assert cut.status_code == 400 and cut.json()["error"]["param"] == "top_k", cut.text
 
 
 def test_scoring_equals_teacher_forcing_in_both_dialects(plain: Served, prompts,
@@ -325,7 +336,9 @@ def test_pause_modes_and_abort_on_vllm(plain: Served, prompts) -> None:
     """``in_place`` keeps a running request, which goes on after ``/continue_generation`` to
     the answer it would have given unpaused; ``abort`` ends it at once (before any continue)
     with finish reason abort and the tokens it had, as an abort by rid does; vLLM's
-    ``/pause?mode=wait`` lets it finish whole before the pause holds."""
+    ``/pause?mode=wait`` lets it finish whole before the pause holds. ``/flush_cache`` is
+    refused while a kept request holds cached blocks, served while one sent during the pause
+    waits."""
     body = {"input_ids": prompts[0], "sampling_params": greedy(200)}
     with plain.http(timeout=300) as http, ThreadPoolExecutor(1) as pool:
         whole = http.post("/generate", json=body).json()["output_ids"]
@@ -340,6 +353,7 @@ def test_pause_modes_and_abort_on_vllm(plain: Served, prompts) -> None:
         kept = started("kept")
         assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
         assert http.get("/get_server_info").json()["in_flight"] == 1 and not kept.done()
+        assert http.post("/flush_cache").status_code == 400  # it holds cached blocks
         assert http.post("/continue_generation").status_code == 200
         out = kept.result(timeout=300).json()
         assert out["meta_info"]["finish_reason"]["type"] == "length"
@@ -349,8 +363,16 @@ def test_pause_modes_and_abort_on_vllm(plain: Served, prompts) -> None:
         assert http.post("/pause_generation", json={"mode": "abort"}).status_code == 200
         try:
             partials = [ended.result(timeout=60).json()]
+            # slime's order, pause (abort), flush, update: a request sent meanwhile waits,
+            # holding no blocks
+            queued = pool.submit(http.post, "/generate",
+                                 json={**body, "sampling_params": greedy(4)})
+            wait_for(lambda: http.get("/get_server_info").json()["in_flight"] == 1, 60,
+                     "the request sent while paused")
+            assert http.post("/flush_cache").status_code == 200
         finally:
             assert http.post("/continue_generation").status_code == 200
+        assert queued.result(timeout=120).json()["output_ids"] == whole[:4]
         by_rid = started("long")
         assert http.post("/abort_request", json={"rid": "long"}).status_code == 200
         partials.append(by_rid.result(timeout=120).json())

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.harness import sse_events, wait_for
+from tests.harness import generated_tokens, sse_events, wait_for
 
 PROMPT = [5, 9, 23, 41, 7, 7, 100, 3]
 
@@ -41,6 +41,21 @@ def test_generate_equals_the_sglang_dialect(http) -> None:
     assert [[t["token_id"] for t in c["top_logprobs"]] for c in content] == [
         [t for _, t, _ in top] for top in meta["output_top_logprobs"]]
     assert all(c["rank"] == 1 for c in content)  # greedy: each token is its position's best
+    # Sampled, vLLM's order: the sampled token first, then the best others, max(k, 1) in all
+    for k in (1, 3):
+        hot = {"max_tokens": 16, "temperature": 2.0, "seed": 4, "logprobs": k,
+               "ignore_eos": True}
+        steps = gen(http, sampling_params=hot)["choices"][0]["logprobs"]["content"]
+        for c in steps:
+            tops = c["top_logprobs"]
+            assert len(tops) == k and tops[0] == {
+                "token_id": c["token_id"], "logprob": c["logprob"], "rank": c["rank"],
+                "token": f"token_id:{c['token_id']}"}
+            assert c["token"] == f"token_id:{c['token_id']}"  # as prime-rl's client checks
+            assert all(t["token_id"] != c["token_id"] for t in tops[1:])
+            assert [t["logprob"] for t in tops[1:]] == sorted(
+                (t["logprob"] for t in tops[1:]), reverse=True)
+        assert any(c["rank"] != 1 for c in steps), "T = 2 should sample below the top"
     plp = out["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(PROMPT) == len(out["prompt_token_ids"])
     assert [plp[p][str(PROMPT[p])]["logprob"] for p in range(1, len(PROMPT))] == [
@@ -76,6 +91,34 @@ def test_cache_salt_keeps_cached_prefixes_apart_and_reset_empties_them(http) -> 
     assert http.get("/get_world_size").json() == {"world_size": 1}
 
 
+def test_prime_rl_train_sampling_params_run_to_the_context_and_salt_the_cache(http) -> None:
+    """prime-rl's train client merges its ``extra_body`` into ``sampling_params`` and sends
+    no ``max_tokens``: vLLM then generates up to ``max_model_len`` (not SamplingParams' 16),
+    and the salt it puts there keeps cached prefixes apart."""
+    max_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+
+    def run(salt: str) -> dict:
+        sp = {"temperature": 0.0, "top_p": 1.0, "logprobs": 1, "top_k": -1, "min_p": 0.0,
+              "return_token_ids": True, "cache_salt": salt, "stop_token_ids": [],
+              "skip_special_tokens": False, "routed_experts_prompt_start": 0,
+              "ignore_eos": True}
+        r = http.post("/inference/v1/generate", json={"token_ids": prompt,
+                                                     "sampling_params": sp})
+        assert r.status_code == 200, r.text
+        out: dict = r.json()
+        return out
+
+    first = run("policy-3")
+    (choice,) = first["choices"]
+    assert choice["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == max_len - len(prompt) > 16
+    assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+    cached = [run(s)["usage"]["prompt_tokens_details"]["cached_tokens"]
+              for s in ("policy-3", "policy-4")]
+    assert cached == [len(prompt) - 1, 0]
+
+
 def test_pause_keep_holds_requests_until_resume(http) -> None:
     """Paused (keep), the engine steps nothing: a request sent meanwhile waits, and runs
     whole after ``/resume`` (requests running at the pause keep their KV: the SGLang
@@ -94,6 +137,34 @@ def test_pause_keep_holds_requests_until_resume(http) -> None:
     assert len(out["choices"][0]["token_ids"]) == 40
     bad = http.post("/pause", params={"mode": "retract"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
+
+
+def test_in_flight_update_splits_a_sample_into_version_spans(http, tiny_model_factory) -> None:
+    """prime-rl's in-flight policy update: ``/pause`` (keep), ``/update_weights``, ``/resume``.
+    The running sample goes on under the new weights, and its tokens carry vLLM's
+    weight-version spans: [0, k) under the old weights, [k, end) under the new."""
+    n = 240  # of the 248 the context leaves: the pause lands while it runs
+    sp = {"max_tokens": n, "temperature": 0, "ignore_eos": True}
+    old = http.get("/get_weight_version").json()["weight_version"]
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            start = generated_tokens(http)
+            running = pool.submit(gen, http, sampling_params=sp)
+            wait_for(lambda: generated_tokens(http) > start, timeout=30, interval=0.001)
+            assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+            r = http.post("/update_weights",
+                          json={"weight_dir": str(tiny_model_factory(seed=3))})
+            assert r.status_code == 200, r.text
+            assert http.post("/resume").status_code == 200
+            out = running.result(timeout=120)
+    finally:
+        http.post("/resume")
+        assert http.post("/reload_weights").status_code == 200
+    new = r.json()["weight_version"]
+    (first, second) = out["choices"][0]["weight_versions"]
+    assert first["version"] == old and first["start"] == 0 and 0 < first["end"] < n
+    assert second == {"version": new, "start": first["end"], "end": n}
+    assert out["weight_version"] == new
 
 
 def test_pause_wait_lets_running_requests_finish_and_holds_new_ones(http) -> None:
@@ -116,7 +187,8 @@ def test_pause_wait_lets_running_requests_finish_and_holds_new_ones(http) -> Non
         assert len(held.result(timeout=120)["choices"][0]["token_ids"]) == 4
 
 
-def test_update_weights_from_a_directory_serves_them(http, tiny_model_factory) -> None:
+def test_update_weights_from_a_directory_serves_them(http, tiny_model_factory,
+                                                     tmp_path) -> None:
     sp = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
     before = gen(http, sampling_params=sp)
     other = tiny_model_factory(seed=3)
@@ -124,17 +196,28 @@ def test_update_weights_from_a_directory_serves_them(http, tiny_model_factory) -
     assert r.status_code == 200, r.text
     after = gen(http, sampling_params=sp)
     assert after["weight_version"] == r.json()["weight_version"] != before["weight_version"]
+    assert after["choices"][0]["weight_versions"] == [
+        {"version": after["weight_version"], "start": 0, "end": 8}]
     assert after["choices"][0]["token_ids"] != before["choices"][0]["token_ids"]
     for body, field in (({"update_info": {"names": ["w"]}}, "update_info"), ({}, "weight_dir"),
                         ({"weight_dir": "/nonexistent"}, "weight_dir")):
         bad = http.post("/update_weights", json=body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
+    # prime-rl's NCCL broadcast: a step directory with only its marker, the weights on the wire
+    (tmp_path / "NCCL_READY").touch()
+    nccl = http.post("/update_weights", json={"weight_dir": str(tmp_path)})
+    assert nccl.status_code == 400 and "filesystem broadcast" in nccl.json()["error"]["message"]
+    lora = http.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(other)})
+    assert lora.status_code == 400 and "LoRA" in lora.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"token_ids": []}, "token_ids"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": -1}}, "sampling_params.max_tokens"),
     ({"token_ids": [1], "sampling_params": {"logprobs": 50}}, "sampling_params.logprobs"),
+    # vLLM's -1 is the whole vocabulary, over the default --max-logprobs (not "none")
+    ({"token_ids": [1, 2], "sampling_params": {"prompt_logprobs": -1}},
+     "sampling_params.prompt_logprobs"),
     ({"token_ids": [1], "sampling_params": {"repetition_penalty": 1.2}},
      "sampling_params.repetition_penalty"),
     ({"token_ids": [1], "output_mode": "text"}, "output_mode"),

@@ -24,9 +24,19 @@ def main(url: str, spec_path: str, out_path: str) -> int:
                                     logprobs=2),
         "scored": client.get_sequence_logprobs(spec["sequences"], spec["prompt_lengths"],
                                                top_logprobs=3),
+        # its default: the top 100 (a server started with --max-logprobs 100 or more)
+        "scored_default": client.get_sequence_logprobs(spec["sequences"],
+                                                       spec["prompt_lengths"]),
         "chat": client.chat([spec["messages"]], max_tokens=4, temperature=0.0, logprobs=0),
     }
     client.reset_prefix_cache()
+    # GRPO's importance-sampling check, then the weight path: refused up front by name
+    out["logprobs_mode"] = client.get_server_info()["model_config"]["logprobs_mode"]
+    try:
+        client.init_communicator(device="cpu")
+        out["init_communicator"] = "joined"
+    except RuntimeError as err:
+        out["init_communicator"] = str(err)
     with open(out_path, "w") as f:
         json.dump(out, f)
     return 0

@@ -41,6 +41,9 @@ class ModelConfig:
     # kernels, whatever the rows of a step, so a token's logits depend on the tokens before
     # it only (not on the batch, prefill or decode, speculation, the prefix cache, scoring)
     batch_invariant: bool = False
+    # Top logprobs a request may ask for per position, sampled or prompt (-1: the whole
+    # vocabulary), as vLLM's --max-logprobs (TRL's teacher scoring asks 100 by default)
+    max_logprobs: int = 20
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,6 +55,9 @@ class ModelConfig:
                               f"and dtype bfloat16, got {self.device} and {self.dtype}")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        if self.max_logprobs < -1:
+            raise ConfigError(f"max_logprobs: must be >= 0, or -1 for the vocabulary, got "
+                              f"{self.max_logprobs}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend: {self.attention_backend!r} is not one of "
                               f"{ATTENTION_BACKENDS}")

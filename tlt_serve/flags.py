@@ -83,6 +83,9 @@ def parse(argv: list[str]) -> ServerConfig:
                        "tools: auto (the format the model's chat template shows), hermes "
                        "(<tool_call> JSON: Qwen, Hermes), llama3_json (Llama 3.1+), none")
     serve.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
+    serve.add_argument("--max-logprobs", type=int, default=ModelConfig.max_logprobs,
+                       help="top logprobs a request may ask for per position, sampled or "
+                       "prompt (-1: the whole vocabulary; TRL's teacher scoring asks 100)")
     serve.add_argument("--max-num-seqs", type=int, default=CacheConfig.max_num_seqs)
     serve.add_argument("--no-prefix-cache", action="store_true",
                        help="compute every prompt in full (by default a prompt that starts "
@@ -171,7 +174,8 @@ def parse(argv: list[str]) -> ServerConfig:
                               device=args.device or ModelConfig.device,
                               enforce_eager=args.enforce_eager, compile=not args.no_compile,
                               attention_backend=args.attention_backend,
-                              batch_invariant=args.batch_invariant),
+                              batch_invariant=args.batch_invariant,
+                              max_logprobs=args.max_logprobs),
             cache=CacheConfig(max_num_seqs=args.max_num_seqs,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               prefix_cache=not args.no_prefix_cache),

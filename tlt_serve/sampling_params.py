@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-
-MAX_LOGPROBS = 20  # top logprobs per position, as vLLM's default
 
 
 class ParamError(ValueError):
@@ -54,6 +53,20 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         self.validate()
 
+    def check_logprobs(self, limit: int) -> None:
+        """Top logprobs asked per position within ``limit`` (the server's max_logprobs)."""
+        for name in ("top_logprobs", "prompt_logprobs"):
+            if getattr(self, name) > limit:
+                raise ParamError(name, f"must be in [0, {limit}], got {getattr(self, name)} "
+                                 "(the server's --max-logprobs)")
+
+    def for_vocab(self, vocab_size: int) -> SamplingParams:
+        """These settings for a vocabulary of ``vocab_size``: a ``top_k`` at or above it keeps
+        every token, so it is off (AReaL sends 10**8, SGLang's "all" is 2**30)."""
+        if self.top_k >= vocab_size:
+            return dataclasses.replace(self, top_k=-1)
+        return self
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -85,12 +98,11 @@ class SamplingParams:
             raise ParamError("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ParamError("stop_token_ids", "token ids must be >= 0")
-        if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ParamError("top_logprobs",
-                             f"must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
-        if not -1 <= self.prompt_logprobs <= MAX_LOGPROBS:
+        if self.top_logprobs < 0:
+            raise ParamError("top_logprobs", f"must be >= 0, got {self.top_logprobs}")
+        if self.prompt_logprobs < -1:
             raise ParamError("prompt_logprobs",
-                             f"must be in [-1, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+                             f"must be >= 0 (or -1: none), got {self.prompt_logprobs}")
         if self.prompt_logprobs_start < 0:
             raise ParamError("prompt_logprobs_start",
                              f"must be >= 0, got {self.prompt_logprobs_start}")

@@ -27,6 +27,7 @@ import httpx
 from tqdm import tqdm
 
 from benchmarks.common.timing import Timed, latency_stats, small_batch_phase, timeline
+from clients.results import spec_verifies
 
 Requests = list[tuple[list[int], dict[str, Any]]]
 
@@ -57,8 +58,9 @@ async def stream_generate(http: httpx.AsyncClient, ids: list[int], params: dict[
                 t.note(len(last["output_ids"]))
         if last is not None:
             meta = last["meta_info"]
-            t.accept_length = meta.get("spec_accept_length")
-            t.verify_ct = int(meta.get("spec_verify_ct", 0))
+            if "spec_verify_ct" in meta:
+                t.verify_ct, accepted = spec_verifies(meta)
+                t.accept_length = accepted / t.verify_ct if t.verify_ct else 0.0
     t.done = time.monotonic()
 
 

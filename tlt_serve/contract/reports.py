@@ -38,10 +38,16 @@ class EngineInfo:
     max_waiting: int
     eos_ids: tuple[int, ...]
     weight_version: str
+    max_logprobs: int = 20  # top logprobs a request may ask per position (the vocabulary: -1)
     spec: SpecInfo = SpecInfo()
     # Steps run as compiled graphs: vLLM's torch.compile (on a CPU too), the native
     # engine's CUDA graphs; False: eager (--enforce-eager, the native engine's CPU kernels)
     compiled: bool = False
+
+    @property
+    def logprob_limit(self) -> int:
+        """The most top logprobs a request may ask per position."""
+        return self.vocab_size if self.max_logprobs < 0 else self.max_logprobs
 
 
 @dataclass(frozen=True)

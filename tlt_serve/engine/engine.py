@@ -118,6 +118,8 @@ class Engine:
         """
         self._check_prompt(prompt_ids)
         params.check_prompt(len(prompt_ids))
+        limit = self.config.model.max_logprobs
+        params.check_logprobs(self.vocab_size if limit < 0 else limit)
         if len(self.scheduler.waiting) + params.n > self.config.scheduler.max_waiting:
             # n samples take n queue places: count them all, or a big n overshoots the cap.
             raise OverflowError(f"queue full ({self.config.scheduler.max_waiting} waiting)")

@@ -42,10 +42,14 @@ class RequestResult:
     cached_tokens: int = 0
     weight_version: str = ""  # version of the last step
     weight_versions: list[str] = field(default_factory=list)  # all, in order (RL: off-policy)
+    version_starts: list[int] = field(default_factory=list)  # each one's first output token
     spec: SpecCounts = field(default_factory=SpecCounts)
     prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, out: StepOutput) -> None:
+        if not self.weight_versions or self.weight_versions[-1] != out.weight_version:
+            self.weight_versions.append(out.weight_version)
+            self.version_starts.append(len(self.token_ids))
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
         self.top_logprobs.extend(out.top_logprobs)
@@ -56,5 +60,9 @@ class RequestResult:
         self.spec = out.spec
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
-        if not self.weight_versions or self.weight_versions[-1] != out.weight_version:
-            self.weight_versions.append(out.weight_version)
+
+    def version_spans(self) -> list[tuple[str, int, int]]:
+        """(version, start, end): output tokens [start, end) sampled under that version."""
+        ends = [*self.version_starts[1:], len(self.token_ids)]
+        return [(v, s, e) for v, s, e in zip(self.weight_versions, self.version_starts, ends,
+                                             strict=True) if e > s]

@@ -44,20 +44,30 @@ class PromptLogprobs:
 @dataclass(frozen=True)
 class SpecCounts:
     """Speculation counters of one request: verify steps it drafted in, draft tokens
-    proposed, draft tokens accepted (excluding the correction / bonus token)."""
+    proposed, draft tokens accepted (excluding the correction / bonus token), and the tokens
+    its verify steps appended beyond one each (fewer than accepted where a stop cut them)."""
 
     verify_ct: int = 0
     drafted: int = 0
     accepted: int = 0
     drafter_versions: tuple[int, ...] = ()  # drafter versions that drafted for it, in order
+    extra_tokens: int = 0
 
-    def plus(self, drafted: int, accepted: int, drafter_version: int | None = None) -> SpecCounts:
+    def plus(self, drafted: int, accepted: int, drafter_version: int | None = None,
+             appended: int | None = None) -> SpecCounts:
+        """One verify step that drafted ``drafted`` and appended ``appended`` tokens
+        (default ``accepted`` + 1)."""
         versions = self.drafter_versions
         if drafter_version is not None and (not versions or versions[-1] != drafter_version):
             versions = (*versions, drafter_version)
-        return SpecCounts(
-            self.verify_ct + 1, self.drafted + drafted, self.accepted + accepted, versions
-        )
+        extra = accepted if appended is None else max(appended - 1, 0)
+        return SpecCounts(self.verify_ct + 1, self.drafted + drafted, self.accepted + accepted,
+                          versions, self.extra_tokens + extra)
+
+    def forwards(self, completion_tokens: int) -> int:
+        """Decode forwards (plain or verify) that produced a request's ``completion_tokens``:
+        the prefill commits the first, every forward one more and a verify step its extra."""
+        return max(completion_tokens - 1 - self.extra_tokens, self.verify_ct)
 
     @property
     def accept_length(self) -> float:

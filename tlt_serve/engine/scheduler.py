@@ -245,9 +245,11 @@ class Scheduler:
         outputs = []
         for i, req in enumerate(batch.samplers):
             tops = em.top_logprobs[i] if em.top_logprobs is not None else None
+            verified = None
             if em.drafted is not None and em.accepted is not None and em.drafted[i]:
-                req.spec = req.spec.plus(em.drafted[i], em.accepted[i], em.drafter_version)
-            outputs.append(self._append(req, em.token_ids[i], em.logprobs[i], tops, version))
+                verified = (em.drafted[i], em.accepted[i], em.drafter_version)
+            outputs.append(self._append(req, em.token_ids[i], em.logprobs[i], tops, version,
+                                        verified))
         self._release([r for r in batch.samplers if r.finished])
         return outputs
 
@@ -258,9 +260,12 @@ class Scheduler:
         logprobs: list[float],
         tops: list[TopLogprobs] | None,
         version: str,
+        verified: tuple[int, int, int | None] | None = None,
     ) -> StepOutput:
         """Append tokens one by one; the first that finishes the request drops the rest. A
-        request for none (scoring a prompt) finishes with nothing appended."""
+        request for none (scoring a prompt) finishes with nothing appended. ``verified``:
+        the drafted and accepted counts (and drafter version) of a verify step that drafted
+        for it, counted with what it appended."""
         text = ""
         n = 0
         if req.params.max_new_tokens == 0:
@@ -287,6 +292,8 @@ class Scheduler:
             req.status = Status.FINISHED
             if req.detok is not None:
                 text += req.detok.flush()
+        if verified is not None:
+            req.spec = req.spec.plus(*verified, appended=n)
         top_list = tops[:n] if tops is not None else []
         return self._output(req, tokens[:n], logprobs[:n], top_list, text, version)
 

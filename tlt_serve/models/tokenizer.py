@@ -20,9 +20,11 @@ class Tokenizer:
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Chat messages (and the tools offered) → prompt token ids, the assistant turn opened.
+        ``template_kwargs``: variables the template reads (Qwen3's ``enable_thinking``).
 
         Raises ValueError (no template, or the template rejected the messages)."""
         if not getattr(self.hf, "chat_template", None):
@@ -31,7 +33,8 @@ class Tokenizer:
 
         try:
             text = self.hf.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True
+                messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                **(template_kwargs or {}),
             )
         except TemplateError as err:  # e.g. a template that raises on an unexpected role order
             raise ValueError(f"chat template failed: {err}") from err

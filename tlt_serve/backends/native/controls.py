@@ -93,6 +93,7 @@ class NativeControls:
             max_waiting=cfg.scheduler.max_waiting,
             eos_ids=tuple(sorted(engine.tokenizer.eos_ids)),
             weight_version=engine.weight_version,
+            max_logprobs=cfg.model.max_logprobs,
             compiled=engine.runner.graphs is not None,
             spec=SpecInfo(
                 method=spec.config.method,
@@ -147,10 +148,11 @@ class NativeControls:
         return Done()
 
     def flush_cache(self, op: FlushCache) -> Done:
-        sched = self.engine.scheduler
-        busy = len(sched.running) + len(sched.waiting)
-        if busy:
-            raise ControlError(f"cache not flushed: {busy} requests are running or waiting")
+        """Refused while a request runs (it holds KV); waiting ones hold none (while paused,
+        new requests wait: slime flushes then, before a weight update)."""
+        running = len(self.engine.scheduler.running)
+        if running:
+            raise ControlError(f"cache not flushed: {running} requests are running")
         if self.engine.prefix is not None:
             self.engine.prefix.clear()
         return Done()

@@ -191,6 +191,7 @@ def engine_args(model_dir: Path, config: EngineConfig, spec: VllmSpec, gpu: Gpu 
         "kv_cache_memory_bytes": kv,
         "enable_prefix_caching": config.cache.prefix_cache,
         "logprobs_mode": "processed_logprobs",
+        "max_logprobs": mc.max_logprobs,
         "per_request_spec_decode_metrics": "summary" if spec.config else "none",
         "speculative_config": spec.config,
         "worker_extension_cls": "tlt_serve.backends.vllm.worker.TltWorker",

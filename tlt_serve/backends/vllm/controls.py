@@ -88,9 +88,10 @@ class VllmControls:
         return Done()
 
     async def flush_cache(self, op: FlushCache) -> Done:
-        busy = self.state.live
-        if busy or not await self.llm.reset_prefix_cache():
-            raise ControlError(f"cache not flushed: {busy} requests are running or waiting")
+        """vLLM refuses while a running request holds cached blocks; waiting ones hold none."""
+        if not await self.llm.reset_prefix_cache():
+            raise ControlError(f"cache not flushed: requests are running "
+                               f"({self.state.live} in flight)")
         return Done()
 
     # ---- target weights --------------------------------------------------------------------

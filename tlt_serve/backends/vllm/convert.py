@@ -178,8 +178,7 @@ def spec_counts(completion: Any) -> SpecCounts:
     if metrics is None:
         return SpecCounts()
     histogram = list(metrics.histogram)
-    return SpecCounts(
-        verify_ct=sum(histogram),
-        drafted=int(metrics.num_draft_tokens),
-        accepted=sum(j * c for j, c in enumerate(histogram)),
-    )
+    accepted = sum(j * c for j, c in enumerate(histogram))
+    # vLLM appends what a step accepted and its bonus token, but at a stop it cuts
+    return SpecCounts(verify_ct=sum(histogram), drafted=int(metrics.num_draft_tokens),
+                      accepted=accepted, extra_tokens=accepted)

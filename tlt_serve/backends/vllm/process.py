@@ -106,6 +106,7 @@ def _start(
         max_waiting=config.scheduler.max_waiting,
         eos_ids=tuple(sorted(load_tokenizer(model_dir).eos_ids)),
         weight_version="0",
+        max_logprobs=config.model.max_logprobs,
         compiled=llm.vllm_config.compilation_config.mode != CompilationMode.NONE,
         spec=SpecInfo(
             method=config.spec.method,

@@ -91,10 +91,18 @@ def api_names(rename: Mapping[str, str]) -> Iterator[None]:
         raise ParamError(field, str(err).split(": ", 1)[1]) from err
 
 
-def make_params(rename: Mapping[str, str], **kwargs: Any) -> SamplingParams:
-    """SamplingParams(**kwargs) with a ParamError renamed to the API's field name."""
+def whole_vocab(k: int | None, info: EngineInfo) -> int | None:
+    """vLLM's ``logprobs`` / ``prompt_logprobs`` of -1: every token of the vocabulary."""
+    return info.vocab_size if k == -1 else k
+
+
+def make_params(rename: Mapping[str, str], info: EngineInfo, **kwargs: Any) -> SamplingParams:
+    """SamplingParams(**kwargs) for the served model, a ParamError renamed to the API's field
+    name: top logprobs within the server's limit, a top-k at or above the vocabulary off."""
     with api_names(rename):
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
+        params.check_logprobs(info.logprob_limit)
+    return params.for_vocab(info.vocab_size)
 
 
 def sse_event(payload: bytes) -> bytes:

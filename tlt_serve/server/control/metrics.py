@@ -82,6 +82,7 @@ class _SnapshotCollector:
         yield _gauge("last_decode_batch_size", "Sequences in the last decode step.",
                      s.batch_size, model)
         yield _gauge("paused", "1 while generation is paused.", int(s.paused), model)
+        yield from _vllm_families(s, view.model)
         yield from _spec_families(s, view.model)
         if s.drafter_version is not None:
             yield _gauge("drafter_version", "Version of the drafter serving now.",
@@ -95,6 +96,20 @@ class _SnapshotCollector:
                                 labels=["model_name"])
         info.add_metric(model, {"version": s.weight_version})
         yield info
+
+
+def _vllm_families(s: StatsSnapshot, model: str) -> Iterator[Metric]:
+    """The load gauges under vLLM's names, which its schedulers and RL frameworks scrape
+    (prime-rl's concurrency control): one engine, ``engine="0"``. A running sequence holds a
+    whole KV row, so the cache's use is the rows taken."""
+    for name, doc, value in (
+            ("num_requests_running", "Sequences holding a KV row.", s.running),
+            ("num_requests_waiting", "Sequences queued for admission.", s.waiting),
+            ("kv_cache_usage_perc", "KV cache in use, 0-1: rows taken by running sequences.",
+             s.running / max(s.max_num_seqs, 1))):
+        family = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name", "engine"])
+        family.add_metric([model, "0"], value)
+        yield family
 
 
 def _spec_families(s: StatsSnapshot, model: str) -> Iterator[Metric]:
@@ -113,7 +128,7 @@ def _spec_families(s: StatsSnapshot, model: str) -> Iterator[Metric]:
                                    labels=labels)
     length = GaugeMetricFamily(f"{PREFIX}_spec_accept_length",
                                "Accepted drafts per sequence per verify step since start, "
-                               "excluding the bonus token (meta_info's spec_accept_length).",
+                               "excluding the bonus token.",
                                labels=labels)
     for bucket, c in s.spec_by_bucket.items():
         key = [model, bucket]

@@ -43,12 +43,12 @@ class UpdateFromDiskReq(Struct, forbid_unknown_fields=True):
     weight_version: str | None = None
     abort_all_requests: bool = False
     load_format: str | None = None  # only the default (safetensors) is supported
-    flush_cache: bool = True  # no prefix cache yet: nothing to flush
+    flush_cache: bool = True  # no KV of other weights is ever reused: nothing to flush
 
 
 class UpdateWeightVersionReq(Struct, forbid_unknown_fields=True):
     new_version: str
-    abort_all_requests: bool = False
+    abort_all_requests: bool = True  # SGLang's default: the running requests end first
 
 
 class InitGroupReq(Struct, forbid_unknown_fields=True):

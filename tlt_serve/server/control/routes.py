@@ -88,6 +88,8 @@ def control_routes() -> APIRouter:
             "tp_size": 1,
             "dp_size": 1,
             "enable_memory_saver": False,
+            "dtype": st.info.dtype,
+            "vllm_config": _vllm_config(st),
             "engine_info": dataclasses.asdict(st.info),
             "stats": dataclasses.asdict(stats),
             "weight_version": stats.weight_version,
@@ -230,6 +232,20 @@ def _load(stats: StatsSnapshot) -> dict[str, int]:
         "num_running_reqs": stats.running,
         "num_waiting_reqs": stats.waiting,
         "num_tokens": stats.kv_tokens,
+    }
+
+
+def _vllm_config(st: ServerState) -> dict[str, Any]:
+    """What vLLM's ``/server_info`` clients read of its ``vllm_config`` (TRL). No vLLM
+    weight-transfer engine: TRL's ``init_communicator`` joins vLLM's own NCCL rendezvous,
+    which this server does not speak, and says so; no LoRA. Logprobs are after temperature
+    (where top-k / top-p / min-p cut, of the uncut distribution, as SGLang's)."""
+    return {
+        "model_config": {"model": st.model_name, "max_model_len": st.info.max_model_len,
+                         "dtype": st.info.dtype, "logprobs_mode": "processed_logprobs"},
+        "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
+        "lora_config": None,
+        "weight_transfer_config": None,
     }
 
 

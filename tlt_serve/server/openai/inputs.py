@@ -7,8 +7,15 @@ from typing import Any
 
 from tlt_serve.contract.reports import EngineInfo
 from tlt_serve.models.tokenizer import Tokenizer
-from tlt_serve.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
-from tlt_serve.server.common.jobs import Job, check_prompt, make_params, new_rid, require_defaults
+from tlt_serve.sampling_params import ParamError, SamplingParams
+from tlt_serve.server.common.jobs import (
+    Job,
+    check_prompt,
+    make_params,
+    new_rid,
+    require_defaults,
+    whole_vocab,
+)
 from tlt_serve.server.openai.chat_inputs import (
     ToolUse,
     answer_schema,
@@ -23,20 +30,29 @@ from tlt_serve.server.openai.protocol import (
     CompletionReq,
 )
 
+# What the request itself hands the chat template: never a template variable from the body
+RENDER_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+    "tokenizer_kwargs", "padding", "truncation", "max_length",
+})
+
 
 def completion_jobs(req: CompletionReq, tok: Tokenizer, info: EngineInfo) -> list[Job]:
     require_defaults(req, COMPLETION_DEFAULT_ONLY)
     if req.best_of is not None and req.best_of != req.n:
         raise ParamError("best_of", "only best_of == n is supported")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise ParamError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
+    limit = info.logprob_limit
+    if req.logprobs is not None and not 0 <= req.logprobs <= limit:
+        raise ParamError("logprobs", f"must be in [0, {limit}], got {req.logprobs}")
     _check_stream_options(req)
     prompts = _completion_prompts(req.prompt, tok)
     base = new_rid()
     jobs = []
     # An echoed prompt's logprobs come with `logprobs` (as vLLM): its tokens are scored too.
     echoed = req.logprobs if req.echo and req.logprobs is not None else None
-    scored = max((k for k in (req.prompt_logprobs, echoed) if k is not None), default=None)
+    asked = whole_vocab(req.prompt_logprobs, info)
+    scored = max((k for k in (asked, echoed) if k is not None), default=None)
     for i, ids in enumerate(prompts):
         check_prompt(ids, info, "prompt")
         params = _params(
@@ -69,14 +85,19 @@ def chat_job(
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise ParamError("top_logprobs", "requires logprobs to be true")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise ParamError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if not 0 <= req.top_logprobs <= info.logprob_limit:
+            raise ParamError("top_logprobs", f"must be in [0, {info.logprob_limit}]")
     _check_stream_options(req)
     tools = tool_use(req, tool_parser)
     schema = answer_schema(req, tools)
     messages = template_messages(req.messages)
+    kwargs = req.chat_template_kwargs or {}
+    taken = sorted(set(kwargs) & RENDER_ARGUMENTS)
+    if taken:
+        raise ParamError(f"chat_template_kwargs.{taken[0]}",
+                         "is set by the request itself, not a template variable")
     try:
-        ids = tok.apply_chat_template(messages, tools.schemas)
+        ids = tok.apply_chat_template(messages, tools.schemas, kwargs)
     except ValueError as err:
         raise ParamError("messages", str(err)) from err
     check_prompt(ids, info, "messages")
@@ -84,7 +105,7 @@ def chat_job(
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = _params(
         req, info, len(ids), limit, req.logprobs, req.top_logprobs or 0,
-        {"max_new_tokens": field}, req.prompt_logprobs,
+        {"max_new_tokens": field}, whole_vocab(req.prompt_logprobs, info),
     )
     # a template's call markers may be special tokens: its parser must see them
     markers = tools.parser in ("hermes", "llama3_json")
@@ -113,8 +134,8 @@ def _params(
     rename: dict[str, str],
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
-        raise ParamError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got "
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= info.logprob_limit:
+        raise ParamError("prompt_logprobs", f"must be in [0, {info.logprob_limit}], got "
                          f"{prompt_logprobs}")
     room = info.max_model_len - prompt_len
     names = {"max_new_tokens": "max_tokens", "prompt_logprobs": "prompt_logprobs", **rename}
@@ -127,7 +148,7 @@ def _params(
             f"({max_tokens} > {info.max_model_len} - {prompt_len})",
         )
     return make_params(
-        names,
+        names, info,
         max_new_tokens=room if max_tokens is None else max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,

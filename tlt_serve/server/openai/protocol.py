@@ -154,6 +154,8 @@ class ChatReq(CommonReq, kw_only=True):
     # SGLang extras. The reasoning flags act only with a reasoning parser, which this
     # server (like SGLang without --reasoning-parser) does not run: accepted, no effect.
     continue_final_message: bool = False
+    # vLLM's and SGLang's: variables the chat template reads (Qwen3's enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 

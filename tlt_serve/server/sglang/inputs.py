@@ -5,7 +5,7 @@ its field (``sampling_params.temperature``, ``input_ids``...)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from tlt_serve.contract.reports import EngineInfo
 from tlt_serve.engine.grammar import check_schema
@@ -26,6 +26,9 @@ from tlt_serve.server.sglang.protocol import (
     SglSamplingParams,
 )
 
+T = TypeVar("T")
+SAMPLING_EPS = 1e-6
+
 
 def generate_jobs(req: GenerateReq, tok: Tokenizer, info: EngineInfo) -> tuple[list[Job], bool]:
     """Returns the jobs and whether the response is a single object (one prompt, n == 1)."""
@@ -40,7 +43,8 @@ def generate_jobs(req: GenerateReq, tok: Tokenizer, info: EngineInfo) -> tuple[l
     jobs = []
     for i, ids in enumerate(prompts):
         check_prompt(ids, info, f"{field}[{i}]" if batch else field)
-        params = _sgl_params(sps[i], logprob[i], top_n[i], _start(starts[i]))
+        params = _sgl_params(sps[i], logprob[i], top_n[i], _start(starts[i]), info,
+                             info.max_model_len - len(ids))
         with api_names(_SGL_FIELD_NAMES):  # a scoring start inside the prompt
             params.check_prompt(len(ids))
         jobs.append(Job(rids[i], ids, params))
@@ -105,18 +109,20 @@ _SGL_FIELD_NAMES = {
 }
 
 
-def _sgl_params(sp: SglSamplingParams, logprob: bool, top_n: int, start: int) -> SamplingParams:
+def _sgl_params(sp: SglSamplingParams, logprob: bool, top_n: int, start: int,
+                info: EngineInfo, room: int) -> SamplingParams:
+    """``room``: what the context leaves the prompt (a null ``max_new_tokens``)."""
     require_defaults(sp, SGL_DEFAULT_ONLY, "sampling_params.")
     if sp.json_schema is not None:
         check_schema(sp.json_schema, "sampling_params.json_schema")
     return make_params(
-        _SGL_FIELD_NAMES,
-        max_new_tokens=sp.max_new_tokens,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        n=sp.n,
+        _SGL_FIELD_NAMES, info,
+        max_new_tokens=room if sp.max_new_tokens is None else sp.max_new_tokens,
+        temperature=_greedy_below_eps(_or(sp.temperature, 1.0)),
+        top_p=_or(sp.top_p, 1.0),
+        top_k=_or(sp.top_k, -1),
+        min_p=_or(sp.min_p, 0.0),
+        n=_or(sp.n, 1),
         stop=sp.stop or (),
         stop_token_ids=sp.stop_token_ids or (),
         ignore_eos=sp.ignore_eos,
@@ -130,3 +136,12 @@ def _sgl_params(sp: SglSamplingParams, logprob: bool, top_n: int, start: int) ->
         prompt_logprobs_start=max(start, 0),
         json_schema=sp.json_schema,
     )
+
+
+def _greedy_below_eps(temperature: float) -> float:
+    """SGLang samples greedily below 1e-6 (its ``_SAMPLING_EPS``)."""
+    return 0.0 if 0.0 <= temperature < SAMPLING_EPS else temperature
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value

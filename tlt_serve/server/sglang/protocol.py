@@ -17,12 +17,14 @@ from msgspec import UNSET, Struct, UnsetType
 
 
 class SglSamplingParams(Struct, forbid_unknown_fields=True):
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    n: int = 1
+    # null is the default, as SGLang reads it (an OpenAI-style client sends "temperature":
+    # null); a null max_new_tokens runs to max_model_len.
+    max_new_tokens: int | None = 128
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = -1
+    min_p: float | None = 0.0
+    n: int | None = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -32,11 +34,11 @@ class SglSamplingParams(Struct, forbid_unknown_fields=True):
     spaces_between_special_tokens: bool = True
     # Read only by a custom logit processor (refused below), as in SGLang: accepted, unused.
     custom_params: dict[str, Any] | None = None
-    # Accepted only at these no-op values.
-    min_new_tokens: int = 0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    # Accepted only at these no-op values (or null).
+    min_new_tokens: int | None = 0
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
@@ -44,10 +46,10 @@ class SglSamplingParams(Struct, forbid_unknown_fields=True):
 
 
 SGL_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "min_new_tokens": (0,),
-    "frequency_penalty": (0.0,),
-    "presence_penalty": (0.0,),
-    "repetition_penalty": (1.0,),
+    "min_new_tokens": (0, None),
+    "frequency_penalty": (0.0, None),
+    "presence_penalty": (0.0, None),
+    "repetition_penalty": (1.0, None),
     "regex": (None,),
     "ebnf": (None,),
     "logit_bias": (None, {}),
@@ -119,14 +121,18 @@ class MetaInfo(Struct):
     # The prompt's tokens from logprob_start_len on, each given the tokens before it.
     input_token_logprobs: list[InputLogprobEntry] | UnsetType = UNSET
     input_top_logprobs: list[list[LogprobEntry] | None] | UnsetType = UNSET
-    # Only when the server speculates (as SGLang). accept_length: mean accepted drafts per
-    # verify step, EXCLUDING the bonus token; accept_rate: accepted / drafted tokens.
+    # Only when the server speculates, in SGLang's meaning: verify_ct counts the sample's
+    # decode forwards (a plain step is a verify of no drafts: speculation runs in the tail
+    # only), accept_length is completion_tokens / verify_ct (tokens per forward, the bonus
+    # included; 0 before a decode forward), accept_rate accepted / drafted tokens. On
+    # --backend vllm the counts come with a sample's last chunk (vLLM reports them there).
     spec_accept_length: float | UnsetType = UNSET
     spec_verify_ct: int | UnsetType = UNSET
     spec_accept_rate: float | UnsetType = UNSET
     # SGLang's totals (slime's speculation metrics): accepted and drafted tokens.
     spec_accept_token_num: int | UnsetType = UNSET
     spec_draft_token_num: int | UnsetType = UNSET
+    spec_draft_steps: int | UnsetType = UNSET  # the forwards that drafted for it (verified)
     # Drafter versions that drafted for this sample, in order (RL: which drafter served it);
     # drafter_version is the last of them (null before any drafter step).
     drafter_version: int | None | UnsetType = UNSET

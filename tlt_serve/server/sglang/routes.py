@@ -93,11 +93,13 @@ class _Formatter:
             e2e_latency=book.elapsed(),
         )
         if self.st.info.spec.enabled:
-            meta.spec_accept_length = r.spec.accept_length
-            meta.spec_verify_ct = r.spec.verify_ct
+            forwards = r.spec.forwards(len(r.token_ids))
+            meta.spec_verify_ct = forwards
+            meta.spec_accept_length = len(r.token_ids) / forwards if forwards else 0.0
             meta.spec_accept_rate = r.spec.accept_rate
             meta.spec_accept_token_num = r.spec.accepted
             meta.spec_draft_token_num = r.spec.drafted
+            meta.spec_draft_steps = r.spec.verify_ct
             versions = list(r.spec.drafter_versions)
             meta.drafter_versions = versions
             meta.drafter_version = versions[-1] if versions else None

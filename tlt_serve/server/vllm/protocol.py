@@ -24,7 +24,7 @@ class VllmSamplingParams(Struct, forbid_unknown_fields=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # omitted or null: up to max_model_len, as vLLM's route
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -32,6 +32,13 @@ class VllmSamplingParams(Struct, forbid_unknown_fields=True):
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: int = 0  # vLLM's RequestOutputKind: every kind answers whole here
+    # What prime-rl's train client merges in from its ``extra_body`` (vLLM drops keys its
+    # SamplingParams lacks): token ids come back anyway; a salt here salts the prefix cache
+    # as the top-level ``cache_salt`` does (which wins); the routed-experts offset has
+    # nothing to apply to (dense models, no routing replay).
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
+    routed_experts_prompt_start: int | None = None
     # Accepted only at these no-op values.
     min_tokens: int = 0
     presence_penalty: float = 0.0
@@ -81,19 +88,33 @@ class GenLogprob(Struct):
     token_id: int
     logprob: float
     rank: int | None = None
+    token: str = ""  # "token_id:<id>", as prime-rl's renderers client checks it
+
+
+def gen_logprob(token_id: int, logprob: float, rank: int | None) -> GenLogprob:
+    return GenLogprob(token_id, logprob, rank, f"token_id:{token_id}")
 
 
 class GenLogprobsContent(Struct):
-    """The sampled token's, then its top ones in rank order."""
+    """The sampled token's; ``top_logprobs`` it first, then the best others in rank order."""
 
     token_id: int
     logprob: float
     rank: int | None
     top_logprobs: list[GenLogprob]
+    token: str  # "token_id:<id>"
 
 
 class GenLogprobs(Struct):
     content: list[GenLogprobsContent] | None
+
+
+class WeightVersionSpan(Struct):
+    """vLLM's: output tokens [start, end) were sampled under weights ``version``."""
+
+    version: str
+    start: int
+    end: int
 
 
 class GenChoice(Struct):
@@ -102,7 +123,7 @@ class GenChoice(Struct):
     stop_reason: int | str | None
     token_ids: list[int]
     logprobs: GenLogprobs | None
-    weight_versions: list[str]  # every weight version a step of this sample ran under
+    weight_versions: list[WeightVersionSpan]
 
 
 class GenerateOut(Struct):
@@ -124,7 +145,7 @@ class GenStreamChoice(Struct):
     stop_reason: int | str | None
     token_ids: list[int]
     logprobs: GenLogprobs | None
-    weight_versions: list[str] | UnsetType = UNSET  # on the sample's last chunk
+    weight_versions: list[WeightVersionSpan] | UnsetType = UNSET  # on the sample's last chunk
 
 
 class GenStreamOut(Struct):

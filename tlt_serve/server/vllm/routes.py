@@ -1,11 +1,13 @@
 """vLLM's RL routes beside the SGLang and OpenAI dialects, over the same engine contract:
 
-- ``POST /inference/v1/generate``: token ids in, token ids, logprobs and prompt logprobs out
-  (``cache_salt`` salts the prefix cache);
+- ``POST /inference/v1/generate``: token ids in, token ids, logprobs, prompt logprobs and
+  weight-version spans out (``cache_salt`` salts the prefix cache; without ``max_tokens`` a
+  sample runs to the end of the context, as vLLM's route);
 - ``GET /get_world_size`` (one engine: 1), ``POST /reset_prefix_cache``;
 - ``POST /pause?mode=keep|abort|wait``, ``POST /resume``, ``GET /is_paused``;
 - ``POST /update_weights`` with ``{weight_dir}`` (a checkpoint directory, as prime-rl sends),
-  ``POST /reload_weights`` (back to the checkpoint the server started with);
+  ``POST /reload_weights`` (back to the checkpoint the server started with); a directory
+  without weights (prime-rl's NCCL broadcast) and ``/load_lora_adapter`` are refused by name;
 - vLLM's weight-transfer routes (``transfer.py``: ``/init_weight_transfer_engine``,
   ``/start_weight_update``, ``/update_weights {update_info}``, ``/finish_weight_update``);
 - ``GET /liveness``."""
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import msgspec
 from fastapi import APIRouter, Query, Request
@@ -22,7 +25,7 @@ from tlt_serve.contract.controls import Continue, FlushCache, UpdateWeightsFromD
 from tlt_serve.engine.outputs import RequestResult, StepOutput
 from tlt_serve.sampling_params import ParamError, SamplingParams
 from tlt_serve.server.common.bridge import ControlRefused
-from tlt_serve.server.common.errors import decode_body
+from tlt_serve.server.common.errors import ApiError, decode_body
 from tlt_serve.server.common.jobs import (
     ClientGone,
     Job,
@@ -34,6 +37,7 @@ from tlt_serve.server.common.jobs import (
     require_defaults,
     submit_all,
     until_disconnected,
+    whole_vocab,
 )
 from tlt_serve.server.common.openapi import json_body
 from tlt_serve.server.common.state import ADMIN_TAG, ServerState, get_state, json_response
@@ -53,12 +57,13 @@ from tlt_serve.server.vllm.protocol import (
     GenChoice,
     GenerateOut,
     GenerateReq,
-    GenLogprob,
     GenLogprobs,
     GenLogprobsContent,
     GenStreamChoice,
     GenStreamOut,
     UpdateWeightsReq,
+    WeightVersionSpan,
+    gen_logprob,
 )
 from tlt_serve.server.vllm.transfer import TransferSession, receive, transfer_routes
 
@@ -142,7 +147,19 @@ def vllm_routes() -> APIRouter:
             return await receive(st, transfer, req.update_info)
         if not req.weight_dir:
             raise ParamError("weight_dir", "give the checkpoint directory to load")
+        folder = Path(req.weight_dir)
+        if folder.is_dir() and not any(folder.glob("*.safetensors")):
+            raise ParamError("weight_dir", f"{req.weight_dir} holds no *.safetensors weights "
+                             "(prime-rl's NCCL and NIXL weight broadcasts are not served: "
+                             "use its filesystem broadcast)")
         return await _load(st, req.weight_dir, "weight_dir")
+
+    @router.post("/load_lora_adapter", tags=[ADMIN_TAG])
+    @router.post("/v1/load_lora_adapter", tags=[ADMIN_TAG])
+    async def load_lora_adapter() -> Response:
+        """Refused at once (a 404 would have prime-rl retry for two minutes)."""
+        raise ApiError(400, "LoRA adapters are not served: load the merged weights "
+                       "(/update_weights {weight_dir})")
 
     @router.post("/reload_weights", tags=[ADMIN_TAG])
     async def reload_weights(request: Request) -> Response:
@@ -171,16 +188,17 @@ def _job(st: ServerState, req: GenerateReq) -> Job:
         raise ParamError("sampling_params.max_tokens", f"is too large: {sp.max_tokens} > "
                          f"{st.info.max_model_len} - {len(req.token_ids)} prompt tokens")
     params = make_params(
-        _FIELDS,
+        _FIELDS, st.info,
         max_new_tokens=room if sp.max_tokens is None else sp.max_tokens,
         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
         min_p=sp.min_p, n=sp.n, stop=sp.stop or (), stop_token_ids=sp.stop_token_ids or (),
         ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
         spaces_between_special_tokens=sp.spaces_between_special_tokens,
         include_stop_in_text=sp.include_stop_str_in_output, seed=sp.seed,
-        logprobs=sp.logprobs is not None, top_logprobs=sp.logprobs or 0,
-        prompt_logprobs=-1 if sp.prompt_logprobs is None else sp.prompt_logprobs,
-        cache_salt=req.cache_salt,
+        logprobs=sp.logprobs is not None, top_logprobs=whole_vocab(sp.logprobs, st.info) or 0,
+        prompt_logprobs=whole_vocab(sp.prompt_logprobs, st.info) if sp.prompt_logprobs
+        is not None else -1,
+        cache_salt=req.cache_salt if req.cache_salt is not None else sp.cache_salt,
     )
     return Job(req.request_id or new_rid(), list(req.token_ids), params)
 
@@ -190,7 +208,7 @@ def _response(st: ServerState, req: GenerateReq, book: SampleBook) -> GenerateOu
     params = book.jobs[0].params
     eos = st.tokenizer.eos_ids
     choices = [GenChoice(k, finish_str(r.finish), stop_reason(r.finish, params, eos),
-                         list(r.token_ids), _logprobs(r, params), list(r.weight_versions))
+                         list(r.token_ids), _logprobs(r, params), _spans(r))
                for k, r in enumerate(book.samples)]
     first = book.samples[0]
     out = GenerateOut(
@@ -203,6 +221,10 @@ def _response(st: ServerState, req: GenerateReq, book: SampleBook) -> GenerateOu
     if req.return_token_ids:
         out.prompt_token_ids = list(first.prompt_ids)
     return out
+
+
+def _spans(r: RequestResult) -> list[WeightVersionSpan]:
+    return [WeightVersionSpan(v, s, e) for v, s, e in r.version_spans()]
 
 
 class _TokenStream:
@@ -224,7 +246,7 @@ class _TokenStream:
                                  stop_reason(d.finish, params, self.st.tokenizer.eos_ids),
                                  list(d.token_ids), _logprobs(d, params))
         if d.finish is not None:
-            choice.weight_versions = list(book.samples[k].weight_versions)
+            choice.weight_versions = _spans(book.samples[k])
         out = GenStreamOut(self.job.rid, [choice],
                            usage=None if self.include_usage else msgspec.UNSET)
         if not self.started:
@@ -244,14 +266,19 @@ class _TokenStream:
 
 
 def _logprobs(r: RequestResult, params: SamplingParams) -> GenLogprobs | None:
-    """vLLM's token-id logprobs: per token its own entry, then the top ones by rank."""
+    """vLLM's token-id logprobs: per token its own entry, and as ``top_logprobs`` the sampled
+    token then the best others by rank, ``max(logprobs, 1)`` in all (vLLM's order; the
+    sampled token's rank where it is among the top ones)."""
     if not params.logprobs:
         return None
     content = []
+    shown = max(params.top_logprobs, 1)
     for token, lp, tops in zip(r.token_ids, r.logprobs, r.top_logprobs or
                                [[] for _ in r.token_ids], strict=True):
-        ranked = [GenLogprob(t, v, rank) for rank, (t, v) in enumerate(tops, start=1)]
+        ranked = [gen_logprob(t, v, rank) for rank, (t, v) in enumerate(tops, start=1)]
         rank = next((g.rank for g in ranked if g.token_id == token), None)
-        content.append(GenLogprobsContent(token, lp, rank, ranked))
+        own = gen_logprob(token, lp, rank)
+        listed = [own, *(g for g in ranked if g.token_id != token)][:shown]
+        content.append(GenLogprobsContent(token, lp, rank, listed, own.token))
     return GenLogprobs(content)
 
