@@ -93,8 +93,8 @@ def test_a_cached_prefix_never_supplies_a_scored_position(llm: LLM, hf) -> None:
 def test_a_start_past_the_prompt_is_refused_naming_it(llm: LLM) -> None:
     with pytest.raises(ParamError, match="prompt_logprobs_start"):
         llm.generate([[5, 6, 7]], SamplingParams(prompt_logprobs=0, prompt_logprobs_start=3))
-    with pytest.raises(ParamError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(ParamError, match="prompt_logprobs"):  # over max_logprobs (20)
+        llm.generate([[5, 6, 7]], SamplingParams(prompt_logprobs=21))
 
 
 # ---- over HTTP: both dialects ----------------------------------------------------------------

@@ -111,10 +111,10 @@ def test_ngram_greedy_outputs_equal_plain_server(served, spec_served) -> None:
 def test_streaming_meta_info_carries_spec_counts(spec_served) -> None:
     body = {"text": PROMPTS[0], "sampling_params": GREEDY_LONG, "stream": True}
     with spec_served.http() as http:
-        steps = http.get("/get_server_info").json()["stats"]["decode_steps"]
+        steps = scrape(http).value("tlt_serve_decode_steps_total")  # fresh from the engine
         with http.stream("POST", "/generate", json=body) as resp:
             events = sse_events(resp.iter_lines())
-        steps = http.get("/get_server_info").json()["stats"]["decode_steps"] - steps
+        steps = scrape(http).value("tlt_serve_decode_steps_total") - steps
     for e in events:
         assert set(SPEC_META) <= set(e["meta_info"])
     last = events[-1]["meta_info"]
