@@ -6,6 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 
 
+def logprob_limit(max_logprobs: int, vocab_size: int) -> int:
+    """The most top logprobs a request may ask per position: ``max_logprobs``, -1 for all."""
+    return vocab_size if max_logprobs < 0 else max_logprobs
+
+
 class ParamError(ValueError):
     """An out-of-range or ill-typed request field; ``field`` names it."""
 

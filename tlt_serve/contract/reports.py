@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from tlt_serve.engine.capture import CaptureStats
 from tlt_serve.engine.stats import EngineStats, SpecCounts
+from tlt_serve.sampling_params import logprob_limit
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class EngineInfo:
     @property
     def logprob_limit(self) -> int:
         """The most top logprobs a request may ask per position."""
-        return self.vocab_size if self.max_logprobs < 0 else self.max_logprobs
+        return logprob_limit(self.max_logprobs, self.vocab_size)
 
 
 @dataclass(frozen=True)

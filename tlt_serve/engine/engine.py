@@ -39,7 +39,7 @@ from tlt_serve.engine.step_graphs import StepGraphs
 from tlt_serve.models.loader import build_model
 from tlt_serve.models.provision import resolve_model_path
 from tlt_serve.models.tokenizer import load_tokenizer
-from tlt_serve.sampling_params import ParamError, SamplingParams
+from tlt_serve.sampling_params import ParamError, SamplingParams, logprob_limit
 
 log = logging.getLogger("tlt_serve.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,8 +118,7 @@ class Engine:
         """
         self._check_prompt(prompt_ids)
         params.check_prompt(len(prompt_ids))
-        limit = self.config.model.max_logprobs
-        params.check_logprobs(self.vocab_size if limit < 0 else limit)
+        params.check_logprobs(logprob_limit(self.config.model.max_logprobs, self.vocab_size))
         if len(self.scheduler.waiting) + params.n > self.config.scheduler.max_waiting:
             # n samples take n queue places: count them all, or a big n overshoots the cap.
             raise OverflowError(f"queue full ({self.config.scheduler.max_waiting} waiting)")
