@@ -199,36 +199,25 @@ TLT_AVX512BF16 __attribute__((always_inline)) static inline void dot_finish(
     out[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
 }
 
-// At 1-2 rows the walk follows T runs of weight rows at once, (end - begin) / T rows apart,
-// as the AVX2 path does (rows_kernel): a core following one stream of weight rows reads memory
-// slower than one following several. Each output keeps its own two accumulators and the steps
-// of dot_step64 / dot_finish in their order, so the bits do not depend on T.
-constexpr int streams_bf16(int M) { return M <= 2 ? 4 : 1; }
-
-template <int M, int T>
+template <int M>
 TLT_AVX512BF16 static void rows_tile_bf16(const uint16_t* w, const uint16_t* xv, float* out,
                                           int64_t N, int64_t K, int64_t begin, int64_t end) {
   constexpr bool ahead = M >= 3;
-  const int64_t run = (end - begin) / T;
-  for (int64_t i = 0; i < run; ++i) {
-    const uint16_t* row[T];
-    for (int t = 0; t < T; ++t) row[t] = w + (begin + t * run + i) * K;
-    const int64_t n = begin + i;  // (ahead only with T == 1)
+  for (int64_t n = begin; n < end; ++n) {
+    const uint16_t* row = w + n * K;
     const char* next = reinterpret_cast<const char*>(w + std::min(n + kPrefetchRows, N - 1) * K);
-    __m512 acc[T][2][M];  // [run, accumulator set, X row]
-    for (int t = 0; t < T; ++t)
-      for (int s = 0; s < 2; ++s)
-        for (int m = 0; m < M; ++m) acc[t][s][m] = _mm512_setzero_ps();
+    __m512 acc[2][M];
+    for (int s = 0; s < 2; ++s)
+      for (int m = 0; m < M; ++m) acc[s][m] = _mm512_setzero_ps();
     for (int64_t k = 0; k + 64 <= K; k += 64) {
       if (ahead) {  // the two cache lines this step's 64 weights take, 16 rows on
         _mm_prefetch(next + 2 * k, _MM_HINT_T1);
         _mm_prefetch(next + 2 * k + 64, _MM_HINT_T1);
       }
-      for (int t = 0; t < T; ++t) dot_step64<M>(acc[t], row[t], xv, K, k);
+      dot_step64<M>(acc, row, xv, K, k);
     }
-    for (int t = 0; t < T; ++t) dot_finish<M>(acc[t], row[t], xv, K, out, N, begin + t * run + i);
+    dot_finish<M>(acc, row, xv, K, out, N, n);
   }
-  if constexpr (T > 1) rows_tile_bf16<M, 1>(w, xv, out, N, K, begin + T * run, end);
 }
 
 // Long rows (K > kLongK: an MLP's down projection in models of 1.5B and up, K = 8192-8960):
@@ -287,7 +276,7 @@ TLT_AVX512BF16 static void rows_any_bf16(const uint16_t* w, const uint16_t* xv, 
   if (M >= kLongRows && K > kLongK)
     rows_tile_bf16_long<M>(w, xv, out, N, K, begin, end);
   else
-    rows_tile_bf16<M, streams_bf16(M)>(w, xv, out, N, K, begin, end);
+    rows_tile_bf16<M>(w, xv, out, N, K, begin, end);
 }
 
 TLT_AVX512BF16 static void rows_block_bf16(const uint16_t* w, const uint16_t* xv, float* out,
