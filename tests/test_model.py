@@ -194,15 +194,18 @@ def test_bf16_kernel_rows_match_and_do_not_depend_on_threads(rows: int) -> None:
 def test_bf16_kernel_output_does_not_depend_on_the_weight_rows_beside_it(rows: int) -> None:
     """A thread reads several runs of weight rows at once (a step at a few rows waits on
     memory, and more streams read faster): an output is summed the same wherever its weight
-    row sits in its tile, so a slice of the weight gives the same bits as the whole."""
+    row sits in its tile, so a slice of the weight gives the same bits as the whole. fp32 rows
+    take the AVX2 path, bf16 rows the AVX512-BF16 one where the CPU has it."""
     matvec = own_kernels().matvec
     g = torch.Generator().manual_seed(rows)
-    for n, k in [(64, 576), (203, 72), (130, 1536), (67, 13)]:
+    for n, k in [(64, 576), (203, 72), (130, 1536), (67, 13), (70, 4096 + 32 + 5)]:
         w = torch.randn(n, k, generator=g).bfloat16()
-        x = torch.randn(rows, k, generator=g)
-        whole = matvec(w, x)  # [rows, n]
-        for lo, hi in [(1, n), (5, n - 3), (n // 2, n), (0, 17)]:
-            assert torch.equal(matvec(w[lo:hi].contiguous(), x), whole[:, lo:hi]), (n, k, lo, hi)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            whole = matvec(w, x)  # [rows, n]
+            for lo, hi in [(1, n), (5, n - 3), (n // 2, n), (0, 17)]:
+                part = matvec(w[lo:hi].contiguous(), x)
+                assert torch.equal(part, whole[:, lo:hi]), (n, k, dtype, lo, hi)
 
 
 def test_bf16_matvec_kernel_takes_and_returns_bf16_exactly() -> None:
