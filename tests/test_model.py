@@ -208,6 +208,39 @@ def test_bf16_kernel_output_does_not_depend_on_the_weight_rows_beside_it(rows: i
                 assert torch.equal(part, whole[:, lo:hi]), (n, k, dtype, lo, hi)
 
 
+def test_cache_write_kernel_moves_the_bytes_index_copy_moves() -> None:
+    """The own K/V write (``CpuKernels.write``): the cache index_copy_ leaves, for bf16 and
+    fp32 rows, rows from a transposed (strided) step and a single row; an index out of range
+    (either end), rows of another dtype or width, or an index of another length are refused
+    before anything is written."""
+    write = own_kernels().write
+    assert write is not None
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        cache = torch.randn(9, 3, 33, 64, generator=g).to(dtype)  # [S, kvH, L + 1, D]
+        flat = cache.view(-1, 64)
+        for rows in (1, 7, 300):
+            index = torch.randperm(flat.shape[0], generator=g)[:rows]
+            step = torch.randn(rows, 1, 64, generator=g).to(dtype)
+            strided = step.expand(rows, 2, 64)[:, 1]  # [rows, 64], a row stride of 128
+            want = flat.clone().index_copy_(0, index, strided)
+            write(flat, index, strided)
+            assert torch.equal(flat, want), (dtype, rows)
+    before = flat.clone()
+    row = torch.zeros(1, 64)
+    for index, rows, why in [
+        (torch.tensor([flat.shape[0]]), row, "out of range"),
+        (torch.tensor([-1]), row, "out of range"),
+        (torch.tensor([0, flat.shape[0]]), torch.zeros(2, 64), "out of range"),
+        (torch.tensor([0]), row.bfloat16(), "dtype"),
+        (torch.tensor([0]), torch.zeros(1, 32), "dtype and last size"),
+        (torch.tensor([0, 1]), row, "index must be"),
+    ]:
+        with pytest.raises(RuntimeError, match=why):
+            write(flat, index, rows)
+    assert torch.equal(flat, before)
+
+
 def test_bf16_matvec_kernel_takes_and_returns_bf16_exactly() -> None:
     """bf16 rows in: the same values as fp32 rows up to summation order (bit for bit where
     both take the AVX2 path); a bf16 result out: the same bits as rounding the fp32 result."""

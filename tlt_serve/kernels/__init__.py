@@ -60,6 +60,9 @@ LayerKernel = Callable[..., torch.Tensor]
 # bits, row_lo, Q, heads, scale, 4 row limits per layer, block_queries, aux layer indices) →
 # [x [R, H] after the last layer, then after each aux layer]
 StackKernel = Callable[..., list[torch.Tensor]]
+# (cache viewed [N, D], index [R] long, rows [R, D] of its dtype) → None: cache[index[r]] =
+# rows[r], a row copy each (the K/V write of a step the whole-layer kernel does not take)
+RowWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 # (logits [C, V] fp32, targets [C] long) → each row's maximum m [C] and log(sum(exp(x - m))) [C]
 #   (fp32: a logprob is (x - m) - that, as torch's log-softmax) and its target's rank [C] long
 #   (1 + how many logits of the row are larger), in two passes over the row
@@ -191,6 +194,8 @@ class CpuKernels:
     # Every layer of a model in one call (the layer kernel's bits): a copy that drops
     # ``layer`` must drop it too.
     stack: StackKernel | None = None
+    # The cache write of the steps that run op by op (torch's index_copy_ otherwise)
+    write: RowWrite | None = None
 
     def rows_for(self, weight: torch.Tensor) -> int:
         """Most rows the own product takes for ``weight`` [N, K]; more go to torch's."""
@@ -244,7 +249,7 @@ def cpu_kernels() -> CpuKernels | None:
     return CpuKernels(
         module.gemv_bf16, module.rms_norm_bf16, module.attention_bf16, rows, large, layer,
         attention_queries=queries, block_queries=BLOCK_QUERIES, layer=module.decoder_layer_bf16,
-        stack=module.decoder_stack_bf16,
+        stack=module.decoder_stack_bf16, write=module.write_rows,
     )
 
 
@@ -260,7 +265,8 @@ def kernels_of(module: Any, kernels: CpuKernels) -> CpuKernels:
     return replace(kernels, matvec=module.gemv_bf16, norm=module.rms_norm_bf16,
                    attention=module.attention_bf16,
                    layer=getattr(module, "decoder_layer_bf16", None),
-                   stack=getattr(module, "decoder_stack_bf16", None))
+                   stack=getattr(module, "decoder_stack_bf16", None),
+                   write=getattr(module, "write_rows", None))
 
 
 def sampling_kernels() -> SamplingKernels | None:

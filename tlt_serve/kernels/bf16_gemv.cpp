@@ -1171,6 +1171,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(the same bits; for comparisons)",
         TLT_ATTENTION_ARGS);
 #undef TLT_ATTENTION_ARGS
+  m.def("write_rows", &write_rows,
+        "dst.view(-1, D)[index[r]] = src[r], a row copy each (keys or values into a cache; "
+        "decoder_layer.cpp)");
   m.def("decoder_layer_bf16", &decoder_layer_bf16,
         "one decoder layer for rows of a few causal query tokens (decoder_layer.cpp)");
   m.def("decoder_stack_bf16", &decoder_stack_bf16,

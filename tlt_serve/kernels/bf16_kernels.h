@@ -167,6 +167,8 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double e
 // gu [R, 2I] bf16 (a gate/up product) -> silu(gu[:, :I]) * gu[:, I:] [R, I], as torch's two
 // ops round it (decoder_layer.cpp).
 at::Tensor silu_mul_bf16(const at::Tensor& gu);
+// dst.view(-1, D)[index[r]] = src[r]: rows copied into a cache (decoder_layer.cpp).
+void write_rows(const at::Tensor& dst, const at::Tensor& index, const at::Tensor& src);
 // Which attention path attend_tokens takes: the fastest this CPU has (scores on AMX tiles for
 // head sizes 64 and 128, else AVX512-BF16 dot products, else AVX512 or AVX2 with keys widened
 // to fp32), the dot products without tiles, keys widened (AVX512 or AVX2: the same bits), AVX2

@@ -26,6 +26,7 @@ from tlt_serve.kernels import (
     MatVec,
     NormKernel,
     RowAttention,
+    RowWrite,
 )
 from tlt_serve.models.arch import ArchConfig
 from tlt_serve.models.batch import ForwardBatch, KVLayer, unpack
@@ -118,6 +119,7 @@ class Attention(nn.Module):
         self.kernel: RowAttention | None = None  # own bf16 kernel (serving only)
         self.kernel_queries = ATTENTION_QUERIES  # most query tokens per row it takes
         self.block_queries = EVERY_ROW  # rows of this many tokens on go by blocks (its kernel)
+        self.write_rows: RowWrite | None = None  # own cache write (serving only)
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, batch: ForwardBatch, kv: KVLayer
@@ -161,13 +163,20 @@ class Attention(nn.Module):
         q, k = apply_rope(qk, cos, sin).split([kvH * G, kvH], dim=2)  # one rotation for both
         return q, k, v.view(B, Q, kvH, D)
 
-    @staticmethod
-    def write(k: torch.Tensor, v: torch.Tensor, write_index: torch.Tensor, kv: KVLayer) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, write_index: torch.Tensor,
+              kv: KVLayer) -> None:
         """This step's K/V [B, Q, kvH, D] into the cache: as [B, kvH, Q, D], rows of the flat
-        cache [S * kvH * (L + 1), D] at ``write_index`` (``ForwardBatch``)."""
+        cache [S * kvH * (L + 1), D] at ``write_index`` (``ForwardBatch``); by the own row copy
+        where it is set (the same bytes as torch's index_copy_)."""
         D = k.shape[-1]
-        kv[0].view(-1, D).index_copy_(0, write_index, k.transpose(1, 2).reshape(-1, D))
-        kv[1].view(-1, D).index_copy_(0, write_index, v.transpose(1, 2).reshape(-1, D))
+        rows = k.transpose(1, 2).reshape(-1, D), v.transpose(1, 2).reshape(-1, D)  # [R, D] x 2
+        own = (self.write_rows is not None and kv[0].device.type == "cpu"
+               and not torch.is_grad_enabled())  # (autograd sees index_copy_ only)
+        for cache, new in zip(kv, rows, strict=True):
+            if own:
+                self.write_rows(cache.view(-1, D), write_index, new)  # type: ignore[misc]
+            else:
+                cache.view(-1, D).index_copy_(0, write_index, new)
 
     def fold(self, q: torch.Tensor) -> torch.Tensor:
         """[B, Q, kvH * G, D] → [B, kvH, G * Q, D]: the G query heads of each KV head folded
@@ -396,6 +405,7 @@ def set_cpu_kernels(module: nn.Module, kernels: CpuKernels | None) -> None:
             m.kernel = None if kernels is None or not _attention_fits(m) else kernels.attention
             m.kernel_queries = ATTENTION_QUERIES
             m.block_queries = EVERY_ROW if kernels is None else kernels.block_queries
+            m.write_rows = None if kernels is None else kernels.write
             if kernels is not None:
                 dot = m.cfg.head_dim in DOT_HEAD_DIMS
                 m.kernel_queries = kernels.attention_queries if dot else kernels.other_head_queries
