@@ -131,6 +131,7 @@ void write_rows(const at::Tensor& dst, const at::Tensor& index, const at::Tensor
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ix[r] >= 0 && ix[r] < rows, "index out of range");
   char* d = static_cast<char*>(dst.data_ptr());
   const char* s = static_cast<const char*>(src.data_ptr());
+  // at least 8 KB of rows a thread (64 rows of 64 bf16): a batch-1 step's few rows stay on one
   at::parallel_for(0, R, std::max<int64_t>(1, 8192 / std::max<int64_t>(bytes, 1)),
                    [&](int64_t lo, int64_t hi) {
                      for (int64_t r = lo; r < hi; ++r) std::memcpy(d + ix[r] * bytes, s + r * bytes, bytes);

@@ -169,14 +169,14 @@ class Attention(nn.Module):
         cache [S * kvH * (L + 1), D] at ``write_index`` (``ForwardBatch``); by the own row copy
         where it is set (the same bytes as torch's index_copy_)."""
         D = k.shape[-1]
-        rows = k.transpose(1, 2).reshape(-1, D), v.transpose(1, 2).reshape(-1, D)  # [R, D] x 2
-        own = (self.write_rows is not None and kv[0].device.type == "cpu"
-               and not torch.is_grad_enabled())  # (autograd sees index_copy_ only)
-        for cache, new in zip(kv, rows, strict=True):
-            if own:
-                self.write_rows(cache.view(-1, D), write_index, new)  # type: ignore[misc]
+        # The kernel has no backward: only for writes nothing differentiates (serving).
+        own = None if torch.is_grad_enabled() else self.write_rows
+        for cache, step in zip(kv, (k, v), strict=True):
+            rows = step.transpose(1, 2).reshape(-1, D)  # [R, D]
+            if own is not None:
+                own(cache.view(-1, D), write_index, rows)
             else:
-                cache.view(-1, D).index_copy_(0, write_index, new)
+                cache.view(-1, D).index_copy_(0, write_index, rows)
 
     def fold(self, q: torch.Tensor) -> torch.Tensor:
         """[B, Q, kvH * G, D] → [B, kvH, G * Q, D]: the G query heads of each KV head folded
