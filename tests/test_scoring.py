@@ -267,8 +267,78 @@ def test_the_cpu_scoring_kernel_is_log_softmax_and_a_full_count() -> None:
         assert rank.tolist() == ((logits > chosen).sum(dim=1) + 1).tolist(), V
     with pytest.raises(RuntimeError, match="target out of range"):
         fused(torch.zeros(2, 5), torch.tensor([0, 5]))
-    with pytest.raises(RuntimeError, match="fp32"):
-        fused(torch.zeros(2, 5, dtype=torch.bfloat16), torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        fused(torch.zeros(2, 5, dtype=torch.float16), torch.tensor([0, 1]))
+
+
+def test_the_cpu_scoring_kernel_reads_bf16_rows_as_their_widening() -> None:
+    """bf16 logits (the head's product where torch's bf16 GEMM rounds them) are widened row by
+    row in cache: maxima, log-sums and ranks bit for bit those of the same rows widened to
+    fp32 first, at widths with and without a tail of fewer than 8."""
+    from tests.harness import own_kernels
+    from tlt_serve.kernels import sampling_kernels
+
+    own_kernels()
+    own = sampling_kernels()
+    assert own is not None
+    g = torch.Generator().manual_seed(2)
+    for V in (1, 13, 1024, 49_157):
+        logits = (torch.randn(19, V, generator=g) * 6).to(torch.bfloat16)  # ties in bf16
+        targets = torch.randint(0, V, (19,), generator=g)
+        for got, want in zip(own.scores(logits, targets), own.scores(logits.float(), targets),
+                             strict=True):
+            assert torch.equal(got, want), V
+
+
+def test_bf16_head_logits_into_the_buffer_are_the_widened_ones(tiny_model_dir: Path) -> None:
+    """Where the head's product is torch's bf16 GEMM, scoring's logits go into one reused bf16
+    buffer: the same values ``logits`` widens to fp32; where it is not (the own kernel's rows,
+    an fp32 copy of the weights), ``logits`` ignores the buffer and returns fp32."""
+    from tlt_serve.models.loader import build_model
+
+    model = build_model(tiny_model_dir, torch.bfloat16, 64)
+    model.set_fp32_batch_matmul(False)
+    head = model.lm_head
+    rows = head.matvec_rows + 5 if head.matvec is not None else 9
+    hidden = torch.randn(rows, head.weight.shape[1]).to(torch.bfloat16)
+    out = torch.empty(rows + 3, head.weight.shape[0], dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert head.rounds_to_bf16(rows, torch.bfloat16)
+        got = model.logits(hidden, out)
+        assert got.dtype == torch.bfloat16 and got.data_ptr() == out.data_ptr()
+        assert torch.equal(got.float(), model.logits(hidden))
+        if head.matvec is not None:  # few rows: the own kernel's fp32, unrounded
+            assert not head.rounds_to_bf16(2, torch.bfloat16)
+            assert model.logits(hidden[:2], out).dtype == torch.float32
+        model.set_fp32_batch_matmul(True)
+        assert not head.rounds_to_bf16(rows, torch.bfloat16)
+        assert model.logits(hidden, out).dtype == torch.float32
+
+
+def test_bf16_scores_through_the_buffer_equal_those_of_widened_logits(tiny_model_dir: Path,
+                                                                      monkeypatch) -> None:
+    """A bf16 engine scoring a prompt over several chunks: logprobs, ranks and top logprobs
+    through the reused bf16 buffer equal, bit for bit, those of fp32 logits a chunk at a
+    time (the path before the buffer)."""
+    from tlt_serve.engine import scoring
+
+    llm = make_llm(tiny_model_dir, rows=4, dtype="bfloat16", prefill=256)
+    model = llm.engine.model
+    model.set_fp32_batch_matmul(False)
+    # chunks past the own kernel's rows (torch's GEMM into the buffer) and a last one within
+    # them (the kernel's fp32)
+    monkeypatch.setattr(scoring, "MAX_CHUNK", model.lm_head.matvec_rows + 6)
+    chunk, out = scoring._chunks(model, torch.empty(1, 1, dtype=torch.bfloat16))
+    assert out is not None and out.dtype == torch.bfloat16
+    prompt = (llm.tokenizer.encode(" ".join(PROMPTS)) * 8)[:200]
+    assert 2 * chunk < len(prompt) - 1 < 2 * chunk + model.lm_head.matvec_rows
+    params = SamplingParams(max_new_tokens=0, prompt_logprobs=2)
+    buffered = llm.generate([prompt], params)[0].samples[0].prompt_logprobs
+    monkeypatch.setattr(scoring, "_chunks", lambda m, h: (chunk, None))
+    widened = llm.generate([prompt], params)[0].samples[0].prompt_logprobs
+    assert buffered is not None and widened is not None
+    assert buffered.logprobs == widened.logprobs and buffered.ranks == widened.ranks
+    assert buffered.top == widened.top
 
 
 def test_scores_across_chunks_of_logits_equal_teacher_forcing(llm: LLM, hf, monkeypatch) -> None:

@@ -63,9 +63,10 @@ StackKernel = Callable[..., list[torch.Tensor]]
 # (cache viewed [N, D], index [R] long, rows [R, D] of its dtype) → None: cache[index[r]] =
 # rows[r], a row copy each (the K/V write of a step the whole-layer kernel does not take)
 RowWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-# (logits [C, V] fp32, targets [C] long) → each row's maximum m [C] and log(sum(exp(x - m))) [C]
-#   (fp32: a logprob is (x - m) - that, as torch's log-softmax) and its target's rank [C] long
-#   (1 + how many logits of the row are larger), in two passes over the row
+# (logits [C, V] fp32 or bf16 (widened in cache), targets [C] long) → each row's maximum m [C]
+#   and log(sum(exp(x - m))) [C] (fp32: a logprob is (x - m) - that, as torch's log-softmax)
+#   and its target's rank [C] long (1 + how many logits of the row are larger), in two passes
+#   over the row
 TokenScores = Callable[[torch.Tensor, torch.Tensor],
                        tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 

@@ -61,18 +61,29 @@ class Linear(nn.Linear):
         self.matvec: MatVec | None = None  # own bf16 kernel for up to matvec_rows rows
         self.matvec_rows = MATVEC_ROWS  # set with the kernel (fewer where torch has bf16 GEMM)
 
+    def _own_kernel(self, rows: int) -> MatVec | None:
+        """The own kernel where it takes ``rows`` rows. It has no backward: only for products
+        nothing differentiates (serving)."""
+        if 1 <= rows <= self.matvec_rows and not torch.is_grad_enabled():
+            return self.matvec
+        return None
+
+    def rounds_to_bf16(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether the product of ``rows`` rows of ``dtype`` is torch's bf16 GEMM, whose
+        output is rounded to bf16 whatever ``out_dtype`` asks (widened after)."""
+        return (dtype == self.weight.dtype == torch.bfloat16 and self.bias is None
+                and self._own_kernel(rows) is None and (self.weight_f32 is None or rows == 1))
+
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         out_dtype = out_dtype or x.dtype
         rows = x.numel() // x.shape[-1]
-        # The kernel has no backward: only for products nothing differentiates (serving).
-        serving = not torch.is_grad_enabled()
-        if self.matvec is not None and 1 <= rows <= self.matvec_rows and serving:
+        if (matvec := self._own_kernel(rows)) is not None:
             x2 = x.reshape(rows, -1)  # [rows, K], widened to fp32 in the kernel
             if self.bias is None:  # rounded to out_dtype in the kernel when that is bf16
-                y = self.matvec(self.weight, x2, out_dtype == torch.bfloat16)  # [rows, N]
+                y = matvec(self.weight, x2, out_dtype == torch.bfloat16)  # [rows, N]
                 y = y.view(*x.shape[:-1], -1)
                 return y if y.dtype == out_dtype else y.to(out_dtype)
-            y = self.matvec(self.weight, x2, False) + self.bias.float()  # [rows, N] fp32
+            y = matvec(self.weight, x2, False) + self.bias.float()  # [rows, N] fp32
             return y.view(*x.shape[:-1], -1).to(out_dtype)
         if self.weight_f32 is not None and x.numel() > x.shape[-1]:
             bias = None if self.bias is None else self.bias.float()
@@ -376,8 +387,12 @@ class LlamaModel(nn.Module):
         assert isinstance(layer, DecoderLayer)
         return layer.self_attn.kernel_queries if layer.kernel is not None else 0
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] → logits [N, V] in fp32."""
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] → logits [N, V] in fp32. With ``out`` (bf16 [>= N, V]), where the
+        head's product rounds to bf16 anyway (``Linear.rounds_to_bf16``), its first N rows
+        instead: the same values, not widened, and no new [N, V] tensor."""
+        if out is not None and self.lm_head.rounds_to_bf16(hidden.shape[0], hidden.dtype):
+            return torch.mm(hidden, self.lm_head.weight.t(), out=out[: hidden.shape[0]])
         return self.lm_head(hidden, out_dtype=torch.float32)
 
     def set_fp32_batch_matmul(self, enabled: bool) -> None:
