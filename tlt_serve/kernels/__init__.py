@@ -131,14 +131,16 @@ MATVEC_ROWS_OWN_AMX = 256
 MATVEC_ROWS_LARGE_OWN_AMX = 64
 LARGE_PRODUCT = 1 << 22  # weights
 MATVEC_ROWS_LARGE = 32
-# Most rows the whole-layer kernel takes where torch's bf16 GEMM runs on AMX tiles: above
-# the own product's limit its products are torch's, the ~35 ops around them still one call.
-# On the AMX Xeon: decoding x1.10 / x1.06 as fast at 64 / 128 sequences as with the layer
-# kernel up to 32 rows (``--configs layer32``). Prefills: once its rotation and residual adds
-# were split over the threads, whole prompts (up to 4096 tokens a step) took x0.93-1.00 the
-# time of a 256-row limit (``benchmarks.kernels prefill --configs layer4096``: 64 x 128,
-# 1 x 2048 and 16 x 512 tokens, five rounds).
-LAYER_ROWS_AMX = 4096
+# Most rows the whole-layer kernel takes where torch has a bf16 GEMM (AMX tiles or
+# AVX512-BF16): above the own product's limit its products are torch's, the ~35 ops around
+# them still one call. On the AMX Xeon: decoding x1.10 / x1.06 as fast at 64 / 128 sequences
+# as with the layer kernel up to 32 rows (``--configs layer32``). Prefills: once its rotation
+# and residual adds were split over the threads, whole prompts (up to 4096 tokens a step) took
+# x0.93-1.00 the time of a 256-row limit (``benchmarks.kernels prefill --configs layer4096``:
+# 64 x 128, 1 x 2048 and 16 x 512 tokens, five rounds). On an AVX512-BF16 EPYC without tiles,
+# against its products' 64 rows: prefills x0.97-1.00 the time (five rounds, 64 x 512 tokens
+# x0.97), decoding at 128 sequences x1.00.
+LAYER_ROWS_BF16_GEMM = 4096
 # Most query tokens per row the own attention takes; longer rows (prefill) go to torch's SDPA,
 # which tiles them. The own attention computes each (query, KV head) alone over exactly the
 # keys it sees, its rows' keys and values staying in cache for the next query. With the
@@ -239,11 +241,11 @@ def cpu_kernels() -> CpuKernels | None:
     queries = ATTENTION_QUERIES
     if own_avx512_bf16():  # (own AMX tiles imply it)
         if own_amx():
-            rows, large, layer = MATVEC_ROWS_OWN_AMX, MATVEC_ROWS_LARGE_OWN_AMX, LAYER_ROWS_AMX
+            rows, large = MATVEC_ROWS_OWN_AMX, MATVEC_ROWS_LARGE_OWN_AMX
         else:
             rows = MATVEC_ROWS_AMX if amx_tiles() else MATVEC_ROWS_AVX512_BF16
             large = min(rows, MATVEC_ROWS_LARGE)
-            layer = LAYER_ROWS_AMX if amx_tiles() else rows
+        layer = LAYER_ROWS_BF16_GEMM if native_bf16_gemm() else rows
         queries = ATTENTION_QUERIES_AVX512_BF16
     else:
         rows = large = layer = MATVEC_ROWS_NATIVE_BF16 if native_bf16_gemm() else MATVEC_ROWS
