@@ -37,13 +37,13 @@ from benchmarks.common.results import grouped_bars, ints, pyplot, report, save, 
 
 OFF = ("all", "layer", "matvec", "norm", "attention")  # "x": everything but x
 INVARIANT = "invariant"  # every row through the own kernels (``kernels.batch_invariant``)
-TOKENS = "tokens"  # prefills attend token by token, as decode rows (no blocks on AMX tiles)
+TOKENS = "tokens"  # prefills attend token by token, as decode rows (no blocks of 16)
 LABELS = {"all": "every own kernel", "layer": "the own kernels op by op, no whole-layer kernel",
           **{c: f"torch's {c} instead" for c in OFF[2:]},
           "avx2": "the own product's AVX2 path (rows <= 8)",
           "widened": "the own attention with keys widened to fp32, decode rows only (op by op)",
           "invariant": "batch invariant: the own kernels take every row (--batch-invariant)",
-          "tokens": "prefills attend token by token (no blocks of 16 on AMX tiles)"}
+          "tokens": "prefills attend token by token (no blocks of 16 tokens)"}
 SHORT = {"all": "all own kernels", "layer": "own kernels op by op",
          "avx2": "own product, AVX2 path", "widened": "own attention, keys widened, SDPA prefills",
          "invariant": "batch invariant", "tokens": "prefill attention token by token"}
@@ -203,7 +203,7 @@ def _engine(
     compare: ``a.configs`` or every one this CPU has, "all" first)."""
     from tlt_serve import LLM
     from tlt_serve.config import CacheConfig, EngineConfig, ModelConfig
-    from tlt_serve.kernels import own_amx, own_avx512_bf16
+    from tlt_serve.kernels import own_avx512_bf16
 
     torch.set_num_threads(a.threads)
     # no prefix cache: ab runs each round's prompts under every configuration, and the later
@@ -214,9 +214,7 @@ def _engine(
     model, kernels = llm.engine.model, llm.engine.model.kernels  # the full set
     if kernels is None:
         raise SystemExit("the own kernels are not available here (no AVX2 or no compiler)")
-    configs = (*OFF, INVARIANT, *(ONLY_AVX512_BF16 if own_avx512_bf16() else ()))
-    if own_amx():
-        configs = (*configs, TOKENS)
+    configs = (*OFF, INVARIANT, *(ONLY_AVX512_BF16 + (TOKENS,) if own_avx512_bf16() else ()))
     if a.configs:
         unknown = {c for c in a.configs
                    if c not in configs and row_limits(c) is None and not c.startswith(REV)}

@@ -181,25 +181,25 @@ constexpr int kAttentionBest = 0, kAttentionWidened = 1, kAttentionAvx2 = 2, kAt
 // first lens[t] - popcount(bits[t]) columns and then that base + i for each set bit i (a tree
 // node: its ancestors and itself); output at out + t * o_stride, bf16, by ``path``. A row's
 // run of at least block_queries real query tokens without tree bits (a prefill) goes by blocks
-// (attend_runs) where the path is the tiles' and they take D.
+// (attend_runs) where the path is the best one and the blocks take D.
 constexpr int64_t kNoBlocks = INT64_MAX;
 void attend_tokens(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
                    const uint16_t* v_cache, const int64_t* rows, const int64_t* lens,
                    const int64_t* bits, int64_t T, int64_t kvH, int64_t G, int64_t D, int64_t L,
                    double scale, uint16_t* out, int64_t o_stride, int path = kAttentionBest,
                    int64_t block_queries = kNoBlocks);
-// Prefill attention by blocks of 16 query tokens on AMX tiles (prefill_attention.cpp): whether
-// it takes head size D here; and the tokens of each run (query tokens t0 .. t0 + n - 1, all of
+// Prefill attention by blocks of 16 query tokens (prefill_attention.cpp), on AMX tiles (tiles)
+// or by AVX512-BF16 dot products: whether it takes head size D here; and the tokens of each run (query tokens t0 .. t0 + n - 1, all of
 // cache row ``row``, causal: no tree bits) as attend_tokens would, the weights rounded to bf16
 // for the weighted sum.
 struct QueryRun {
   int64_t t0, n, row;
 };
-bool block_attention_fits(int64_t D);
+bool block_attention_fits(int64_t D, bool tiles);
 void attend_runs(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
                  const uint16_t* v_cache, const std::vector<QueryRun>& runs, const int64_t* lens,
                  int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* out,
-                 int64_t o_stride);
+                 int64_t o_stride, bool tiles);
 // bits_in as contiguous int64 (one per entry of lens), checked against lens; empty: no tree.
 at::Tensor tree_bits(const at::Tensor& bits_in, const at::Tensor& lens);
 void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kvH,

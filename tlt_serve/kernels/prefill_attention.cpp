@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "bf16_kernels.h"
@@ -220,6 +221,57 @@ TLT_AMX void weighted_sum(const Packed& p, const uint16_t* w0, const uint16_t* w
   }
 }
 
+// Without tiles (AVX512-BF16 dot products): scores [16, width] (unscaled) of one head's block q
+// (row stride qs) against keys [0, width), 16 keys at a time: one accumulator per token, one
+// lane per key, each key's score summed over the pairs of dimensions in order (a token's
+// scores depend on its own query and keys only).
+template <int DB>
+TLT_AMX void scores_dot(const Packed& p, const uint16_t* q, int64_t qs, int64_t width, float* s) {
+  for (int64_t kb = 0; kb < width / 16; ++kb) {
+    const uint32_t* kt = p.kt.data() + kb * DB * 256;
+    __m512 acc[kRows];
+    for (__m512& a : acc) a = _mm512_setzero_ps();
+    for (int db = 0; db < DB; ++db)
+      for (int i = 0; i < 16; ++i) {  // pair db * 16 + i of every key in the block
+        const __m512bh k = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kt + db * 256 + i * 16));
+        for (int64_t t = 0; t < kRows; ++t) {
+          uint32_t pair;
+          std::memcpy(&pair, q + t * qs + db * 32 + 2 * i, 4);
+          acc[t] = _mm512_dpbf16_ps(
+              acc[t], k, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair))));
+        }
+      }
+    for (int64_t t = 0; t < kRows; ++t) _mm512_storeu_ps(s + t * width + kb * 16, acc[t]);
+  }
+}
+
+// Without tiles: O [16, 32] (dimensions d0..d0+31) of one head = its weights [16, width] ·
+// values, into o ([16][32] fp32), 8 tokens at a time: two 16-dimension accumulators per token,
+// summed over the pairs of keys in order.
+TLT_AMX void weighted_sum_dot(const Packed& p, const uint16_t* w, int64_t width, int64_t D,
+                              int64_t d0, float* o) {
+  for (int64_t t0 = 0; t0 < kRows; t0 += 8) {
+    __m512 acc[8][2];
+    for (auto& a : acc) a[0] = a[1] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < width / 2; ++kp) {  // keys 2 kp and 2 kp + 1
+      const uint32_t* v = p.vp.data() + kp * D + d0;
+      const __m512bh v0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(v));
+      const __m512bh v1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(v + 16));
+      for (int64_t t = 0; t < 8; ++t) {
+        uint32_t pair;
+        std::memcpy(&pair, w + (t0 + t) * width + 2 * kp, 4);
+        const __m512bh wt = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+        acc[t][0] = _mm512_dpbf16_ps(acc[t][0], v0, wt);
+        acc[t][1] = _mm512_dpbf16_ps(acc[t][1], v1, wt);
+      }
+    }
+    for (int64_t t = 0; t < 8; ++t) {
+      _mm512_storeu_ps(o + (t0 + t) * 32, acc[t][0]);
+      _mm512_storeu_ps(o + (t0 + t) * 32 + 16, acc[t][1]);
+    }
+  }
+}
+
 // Rows [0, m) of o [16][32] times their 1 / sum, rounded to bf16, at out + i * o_stride.
 TLT_AMX void store_out(const float (*o)[32], const float* inv, int64_t m, uint16_t* out,
                        int64_t o_stride) {
@@ -238,7 +290,7 @@ struct Scratch {
 };
 
 // One block: tokens [t, t + m) of a run, every query head of KV head h, two heads at a time.
-template <int DB>
+template <int DB, bool Tiles>
 TLT_AMX void attend_block(const uint16_t* qv, int64_t q_stride, const Packed& p,
                           const int64_t* lens, int64_t t, int64_t m, int64_t h, int64_t G,
                           float scale, uint16_t* ov, int64_t o_stride, Scratch& x) {
@@ -264,13 +316,19 @@ TLT_AMX void attend_block(const uint16_t* qv, int64_t q_stride, const Packed& p,
     int64_t qs = q_stride;
     for (int64_t k = 0; k < heads; ++k)
       q[k] = queries<D>(qv + t * q_stride + (h * G + g0 + k) * D, q_stride, m, pad[k], qs);
-    scores<DB>(p, q[0], q[1], qs, width, s[0], s[1]);
+    if constexpr (Tiles)
+      scores<DB>(p, q[0], q[1], qs, width, s[0], s[1]);
+    else
+      for (int64_t k = 0; k < heads; ++k) scores_dot<DB>(p, q[k], qs, width, s[k]);
     for (int64_t k = 0; k < heads; ++k)
       for (int64_t i = 0; i < kRows; ++i)
         inv[k][i] = weights(s[k] + i * width, i < m ? lens[t + i] : 0, width, scale,
                             w[k] + i * width);
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      weighted_sum(p, w[0], heads == 2 ? w[1] : nullptr, width, D, d0, o[0][0], o[1][0]);
+      if constexpr (Tiles)
+        weighted_sum(p, w[0], heads == 2 ? w[1] : nullptr, width, D, d0, o[0][0], o[1][0]);
+      else
+        for (int64_t k = 0; k < heads; ++k) weighted_sum_dot(p, w[k], width, D, d0, o[k][0]);
       for (int64_t k = 0; k < heads; ++k)
         store_out(o[k], inv[k], m, ov + t * o_stride + (h * G + g0 + k) * D + d0, o_stride);
     }
@@ -279,11 +337,13 @@ TLT_AMX void attend_block(const uint16_t* qv, int64_t q_stride, const Packed& p,
 
 }  // namespace
 
-bool block_attention_fits(int64_t D) { return (D == 64 || D == 128) && amx_ready(); }
+bool block_attention_fits(int64_t D, bool tiles) {
+  return (D == 64 || D == 128) && (tiles ? amx_ready() : avx512_bf16());
+}
 
 void attend_runs(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
                  const std::vector<QueryRun>& runs, const int64_t* lens, int64_t kvH, int64_t G,
-                 int64_t D, int64_t L, double scale, uint16_t* ov, int64_t o_stride) {
+                 int64_t D, int64_t L, double scale, uint16_t* ov, int64_t o_stride, bool tiles) {
   // Work items (run, KV head, block), each (run, head)'s blocks from both ends.
   struct Item { int64_t run, head, block; };
   std::vector<Item> items;
@@ -297,7 +357,7 @@ void attend_runs(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const
   }
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    amx_configure();
+    if (tiles) amx_configure();
     Packed p;
     Scratch scratch;
     for (int64_t it = begin; it < end; ++it) {
@@ -311,11 +371,10 @@ void attend_runs(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const
         p.head = item.head;
       }
       const int64_t t = run.t0 + item.block * kRows, m = std::min(kRows, run.t0 + run.n - t);
-      if (D == 64)
-        attend_block<2>(qv, q_stride, p, lens, t, m, item.head, G, fscale, ov, o_stride, scratch);
-      else
-        attend_block<4>(qv, q_stride, p, lens, t, m, item.head, G, fscale, ov, o_stride, scratch);
+      const auto block = D == 64 ? (tiles ? attend_block<2, true> : attend_block<2, false>)
+                                 : (tiles ? attend_block<4, true> : attend_block<4, false>);
+      block(qv, q_stride, p, lens, t, m, item.head, G, fscale, ov, o_stride, scratch);
     }
-    amx_release();
+    if (tiles) amx_release();
   });
 }
