@@ -148,22 +148,24 @@ LAYER_ROWS_BF16_GEMM = 4096
 # (default model's heads, 2 threads, AVX512-BF16 EPYC, ms a layer: 16 rows x 128 tokens 1.6 vs
 # 4.7, 16 x 512 25 vs 63, 4 x 512 after 512 cached 15.6 vs 31.3, 1 x 2048 30 vs 36, 1 x 4096
 # 126 vs 130, before the threads' work was balanced), so there it takes prefills too, and a
-# prompt's tokens get the bits a decode step would give them (where the CPU has AMX tiles,
-# prompts of BLOCK_QUERIES tokens or more attend by blocks instead: see there).
+# prompt's tokens get the bits a decode step would give them (but for prompts of
+# BLOCK_QUERIES tokens or more, which attend by blocks: see there).
 # Without them the keys are widened to fp32: on AVX2 alone that path is about as fast as SDPA
 # at 4 x 512 tokens after 512 cached (32.4 vs 31.3 ms) and half its speed at 1 x 2048 (67 vs
 # 36), and hosts with AVX512 but no AVX512-BF16 were not measured: decode and verify rows only.
 ATTENTION_QUERIES = 16
 ATTENTION_QUERIES_AVX512_BF16 = 4096
 DOT_HEAD_DIMS = (64, 128, 256)  # head sizes whose scores take the dot products (others: 16)
-# Where the CPU has AMX tiles, a row of at least this many query tokens (a prefill, never a
-# verify step: at most 1 + MAX_DRAFT_TOKENS tokens) attends 16 tokens at a time on the tiles,
-# the weights rounded to bf16 for the weighted sum as torch's and vLLM's CPU attention round
+# Where the CPU has AMX tiles or AVX512-BF16, a row of at least this many query tokens (a
+# prefill, never a verify step: at most 1 + MAX_DRAFT_TOKENS tokens) attends 16 tokens at a
+# time (tile products, or dot products without tiles), the weights rounded to bf16 for the weighted sum as torch's and vLLM's CPU attention round
 # them (``prefill_attention.cpp``): its tokens get outputs within bf16 rounding of their decode
 # step's. 4 prompts of 512 tokens, the default model's heads, 2-vCPU AMX Xeon: 1.7-1.9 ms a
 # layer against 7.5-8.6 token by token (torch's SDPA: 3.7-4.1). Decode, verify and tree rows
 # keep the token-by-token path, which gives a token the same bits in any of them; so does
-# every row under ``batch_invariant``.
+# every row under ``batch_invariant``. On an AVX512-BF16 EPYC without tiles (dot products),
+# prompts attended token by token took x1.07-1.39 the time of whole prefills by blocks
+# (``benchmarks.kernels prefill --configs tokens``, docs/PERFORMANCE.md).
 BLOCK_QUERIES = 64
 EVERY_ROW = 1 << 30  # a limit of rows or queries no step reaches (batch-invariant kernels)
 SOURCES = (
@@ -189,7 +191,7 @@ class CpuKernels:
     # rows of more query tokens use torch's SDPA: heads of DOT_HEAD_DIMS, and the others
     attention_queries: int = ATTENTION_QUERIES
     other_head_queries: int = ATTENTION_QUERIES
-    # rows of at least this many query tokens attend by blocks on AMX tiles (BLOCK_QUERIES)
+    # rows of at least this many query tokens attend by blocks (AMX tiles or AVX512-BF16)
     block_queries: int = EVERY_ROW
     # A whole decoder layer in one call, built on this module's product, norm and attention:
     # a copy that replaces any of them (an A/B) must drop it too.

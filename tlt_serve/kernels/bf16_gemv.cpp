@@ -988,8 +988,8 @@ static void attend_head_any(HeadKernel how, const uint16_t* Qh, const float (*qf
 // lens[t] - popcount(bits[t]) (its ancestors and itself). fp32 scores, softmax and weighted sum; output [B, Q, kvH, G, D]
 // rounded to bf16 once. Each (query, KV head) is computed alone, the same way whatever the
 // batch: a token scored in a verify step or a prefill gets exactly the output it gets in a
-// decode step (except runs of block_queries tokens or more, which go by blocks on AMX tiles:
-// prefill_attention.cpp). Per layer at 300 cached tokens here: 24 vs 50-75 us for torch's SDPA at batch 1,
+// decode step (except runs of block_queries tokens or more, which go by blocks on AMX tiles or
+// AVX512-BF16: prefill_attention.cpp). Per layer at 300 cached tokens here: 24 vs 50-75 us for torch's SDPA at batch 1,
 // 238 vs 657 us at batch 16. The threads take contiguous ranges of the work, and in a prefill
 // token j of a row sees j + 1 keys: each row's tokens taken in the order 0, n - 1, 1, n - 2, ..
 // give every range as many short queries as long ones (one 2048-token prefill on 2 threads:

@@ -1,4 +1,5 @@
-// Prefill attention on AMX tiles, 16 query tokens at a time (head sizes 64 and 128).
+// Prefill attention on AMX tiles, 16 query tokens at a time (head sizes 64 and 128); without
+// tiles the same blocks by AVX512-BF16 dot products (scores_dot, weighted_sum_dot).
 //
 // The attention of bf16_gemv.cpp computes each (query token, KV head) alone: its scores take
 // one tile product per 16 keys for the group's G query heads (3 of the tile's 16 columns on the
