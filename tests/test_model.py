@@ -897,8 +897,9 @@ def test_prefills_by_blocks_give_the_same_bits_through_every_layer_path(tmp_path
     """A bf16 model of head size 64 prefilling an 80-token prompt beside a 5-token one, then
     extending the first by 70 tokens (its cached prefix read by blocks), then a decode step:
     every layer in one call, each layer's kernel and the layers op by op give the same bits
-    (where the process has AMX tiles, the long rows by blocks); within bf16 rounding of the
-    same model attending token by token everywhere (``batch_invariant``'s attention)."""
+    (where the process has AMX tiles or AVX512-BF16, the long rows by blocks); within bf16
+    rounding of the same model attending token by token everywhere (``batch_invariant``'s
+    attention)."""
     from tests.tiny import make_tiny_model
     from tlt_serve.engine.runner import extend_batch
 

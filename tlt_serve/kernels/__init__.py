@@ -158,14 +158,15 @@ ATTENTION_QUERIES_AVX512_BF16 = 4096
 DOT_HEAD_DIMS = (64, 128, 256)  # head sizes whose scores take the dot products (others: 16)
 # Where the CPU has AMX tiles or AVX512-BF16, a row of at least this many query tokens (a
 # prefill, never a verify step: at most 1 + MAX_DRAFT_TOKENS tokens) attends 16 tokens at a
-# time (tile products, or dot products without tiles), the weights rounded to bf16 for the weighted sum as torch's and vLLM's CPU attention round
-# them (``prefill_attention.cpp``): its tokens get outputs within bf16 rounding of their decode
-# step's. 4 prompts of 512 tokens, the default model's heads, 2-vCPU AMX Xeon: 1.7-1.9 ms a
-# layer against 7.5-8.6 token by token (torch's SDPA: 3.7-4.1). Decode, verify and tree rows
-# keep the token-by-token path, which gives a token the same bits in any of them; so does
-# every row under ``batch_invariant``. On an AVX512-BF16 EPYC without tiles (dot products),
-# prompts attended token by token took x1.07-1.39 the time of whole prefills by blocks
-# (``benchmarks.kernels prefill --configs tokens``, docs/PERFORMANCE.md).
+# time (tile products, or dot products without tiles), the weights rounded to bf16 for the
+# weighted sum as torch's and vLLM's CPU attention round them (``prefill_attention.cpp``): its
+# tokens get outputs within bf16 rounding of their decode step's. 4 prompts of 512 tokens, the
+# default model's heads, 2-vCPU AMX Xeon: 1.7-1.9 ms a layer against 7.5-8.6 token by token
+# (torch's SDPA: 3.7-4.1). Decode, verify and tree rows keep the token-by-token path, which
+# gives a token the same bits in any of them; so does every row under ``batch_invariant``. On
+# an AVX512-BF16 EPYC without tiles (dot products), prompts attended token by token took
+# x1.04-1.48 the time of whole prefills by blocks (``benchmarks.kernels prefill --configs
+# tokens``, five rounds; docs/PERFORMANCE.md).
 BLOCK_QUERIES = 64
 EVERY_ROW = 1 << 30  # a limit of rows or queries no step reaches (batch-invariant kernels)
 SOURCES = (
