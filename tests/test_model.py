@@ -623,14 +623,14 @@ def test_a_verify_row_never_attends_by_blocks() -> None:
 def test_prefill_runs_attend_by_blocks() -> None:
     """Where the process has AMX tiles or AVX512-BF16 a row of at least ``block_queries`` real
     query tokens (a prefill) attends 16 tokens at a time (tile products, or dot products
-    without tiles), its weights rounded to bf16: within bf16 rounding
-    of fp32 attention, as close as the token-by-token path is, for head sizes 64 and 128,
-    group sizes 1 / 3 / 7, a prompt from column 0 and one extending 200 cached keys, block
-    ends off the 16s and 32s, padding tokens (zeros), and cache columns past every token's
-    keys holding NaNs. A token's output depends on its own query and keys only: the last 64
-    tokens of a prompt computed as a step of their own get the bits they get in the whole
-    prompt. Rows of fewer real tokens (a decode row beside it, a 63-token run) and tree rows
-    keep the token-by-token path's bits."""
+    without tiles), its weights rounded to bf16: within bf16 rounding of fp32 attention, as
+    close as the token-by-token path is, for head sizes 64 and 128, group sizes 1 / 3 / 7, a
+    prompt from column 0 and one extending 200 cached keys, block ends off the 16s and 32s,
+    padding tokens (zeros), and cache columns past every token's keys holding NaNs. A token's
+    output depends on its own query and keys only: the last 64 tokens of a prompt computed as
+    a step of their own get the bits they get in the whole prompt. Rows of fewer real tokens
+    (a decode row beside it, a 63-token run) and tree rows keep the token-by-token path's
+    bits."""
     kernels = own_kernels()
     if not own_avx512_bf16():
         pytest.skip("no AVX512-BF16 for this process: every row attends token by token")
@@ -926,7 +926,7 @@ def test_prefills_by_blocks_give_the_same_bits_through_every_layer_path(tmp_path
             for other in hidden[1:3]:
                 assert torch.equal(hidden[0][b, : len(t)], other[b, : len(t)]), (starts, b)
         torch.testing.assert_close(hidden[0], hidden[3], atol=0.1, rtol=0.05)
-    if own_avx512_bf16():  # the blocks ran: the long rows' cache entries differ from token by token
+    if own_avx512_bf16():  # the blocks ran: long rows' cache entries differ from token by token
         assert not torch.equal(caches[0].storage[:, :, 0], caches[3].storage[:, :, 0])
     else:
         assert torch.equal(caches[0].storage, caches[3].storage)

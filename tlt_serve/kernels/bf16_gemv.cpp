@@ -999,11 +999,11 @@ void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, con
                    int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* ov,
                    int64_t o_stride, int path, int64_t block_queries) {
   const HeadKernel how = head_kernel(path, D);
-  // Blocks on tiles, or by dot products where the best path takes those (a run's tokens then
-  // get the blocks' bits, not their decode steps').
+  // Blocks on tiles, or by dot products where the best path takes those (the CPU is the
+  // path's; a run's tokens then get the blocks' bits, not their decode steps').
   const bool tiles = how == HeadKernel::tiles;
   const bool blocks = (tiles || (how == HeadKernel::dot && path == kAttentionBest)) &&
-                      block_attention_fits(D, tiles);
+                      block_attention_fits(D);
   // Token by token, each row's tokens in the order 0, n - 1, 1, n - 2, ..; runs to blocks.
   std::vector<int64_t> order;
   std::vector<QueryRun> runs;

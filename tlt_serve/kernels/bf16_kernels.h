@@ -189,13 +189,14 @@ void attend_tokens(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
                    double scale, uint16_t* out, int64_t o_stride, int path = kAttentionBest,
                    int64_t block_queries = kNoBlocks);
 // Prefill attention by blocks of 16 query tokens (prefill_attention.cpp), on AMX tiles (tiles)
-// or by AVX512-BF16 dot products: whether it takes head size D here; and the tokens of each run (query tokens t0 .. t0 + n - 1, all of
-// cache row ``row``, causal: no tree bits) as attend_tokens would, the weights rounded to bf16
-// for the weighted sum.
+// or by AVX512-BF16 dot products (the CPU as attend_tokens chose its path): whether it takes
+// head size D; and the tokens of each run (query tokens t0 .. t0 + n - 1, all of cache row
+// ``row``, causal: no tree bits) as attend_tokens would, the weights rounded to bf16 for the
+// weighted sum.
 struct QueryRun {
   int64_t t0, n, row;
 };
-bool block_attention_fits(int64_t D, bool tiles);
+bool block_attention_fits(int64_t D);
 void attend_runs(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
                  const uint16_t* v_cache, const std::vector<QueryRun>& runs, const int64_t* lens,
                  int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* out,

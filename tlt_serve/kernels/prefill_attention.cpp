@@ -222,7 +222,10 @@ TLT_AMX void weighted_sum(const Packed& p, const uint16_t* w0, const uint16_t* w
   }
 }
 
-// Without tiles (AVX512-BF16 dot products): scores [16, width] (unscaled) of one head's block q
+// Without tiles the blocks run the functions below, compiled for TLT_AMX like the rest of this
+// file but issuing no tile instruction (attend_block<DB, false>): AVX512-BF16 dot products.
+//
+// Scores [16, width] (unscaled) of one head's block q
 // (row stride qs) against keys [0, width), 16 keys at a time: one accumulator per token, one
 // lane per key, each key's score summed over the pairs of dimensions in order (a token's
 // scores depend on its own query and keys only).
@@ -338,9 +341,7 @@ TLT_AMX void attend_block(const uint16_t* qv, int64_t q_stride, const Packed& p,
 
 }  // namespace
 
-bool block_attention_fits(int64_t D, bool tiles) {
-  return (D == 64 || D == 128) && (tiles ? amx_ready() : avx512_bf16());
-}
+bool block_attention_fits(int64_t D) { return D == 64 || D == 128; }
 
 void attend_runs(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
                  const std::vector<QueryRun>& runs, const int64_t* lens, int64_t kvH, int64_t G,

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -140,37 +141,33 @@ int64_t inverse_cdf(const float* e, const float* sums, int64_t V, double target)
   return last;
 }
 
-// row_pass over rows [0, N) of xv [N, V], split over the threads, each row at temps[r] (1 where
-// temps is null); then done(r, x, stats, e, sums) with the row's scratch filled.
-template <typename Done>
-void each_row(const float* xv, int64_t N, int64_t V, const float* temps, Done done) {
+// row_pass over rows [0, N) of xv [N, V] (fp32, or bf16 as uint16_t), split over the threads,
+// each row at temps[r] (1 where temps is null); then done(r, x, stats, e, sums) with x the fp32
+// row and its scratch filled. A bf16 row is widened (exactly) into the thread's scratch first,
+// in cache: the passes read what they would read of the row widened to fp32 in memory,
+// without [N, V] fp32 written and read back (the head's logits of 128 prompt positions: 25 MB).
+template <typename T, typename Done>
+void each_row(const T* xv, int64_t N, int64_t V, const float* temps, Done done) {
+  constexpr bool bf16 = std::is_same_v<T, uint16_t>;
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> e(static_cast<size_t>(V)), sums(static_cast<size_t>(V / kBlock + 1));
+    std::vector<float> wide(bf16 ? static_cast<size_t>(V) : 0);
     for (int64_t r = begin; r < end; ++r) {
-      const float* x = xv + r * V;
+      const float* x;
+      const float* next = nullptr;  // the row fetched ahead (fp32 rows only)
+      if constexpr (bf16) {
+        const uint16_t* row = xv + r * V;
+        int64_t j = 0;
+        for (; j + 8 <= V; j += 8) _mm256_storeu_ps(wide.data() + j, load_bf16x8(row + j));
+        for (; j < V; ++j) wide[static_cast<size_t>(j)] = bf16_to_f32(row[j]);
+        x = wide.data();
+      } else {
+        x = xv + r * V;
+        if (r + 1 < end) next = x + V;
+      }
       const float t = temps != nullptr ? temps[r] : 1.f;
-      const RowStats st = row_pass(x, V, t, e.data(), sums.data(), r + 1 < end ? x + V : nullptr);
+      const RowStats st = row_pass(x, V, t, e.data(), sums.data(), next);
       done(r, x, st, e.data(), sums.data());
-    }
-  });
-}
-
-// each_row at T = 1 over bf16 rows xv [N, V]: each row widened (exactly) into the thread's
-// scratch first, in cache, so the passes read what they would read of the row widened to fp32
-// in memory, without writing and reading back [N, V] fp32 (the head's logits of 128 prompt
-// positions: 25 MB).
-template <typename Done>
-void each_bf16_row(const uint16_t* xv, int64_t N, int64_t V, Done done) {
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wide(static_cast<size_t>(V)), e(static_cast<size_t>(V)),
-        sums(static_cast<size_t>(V / kBlock + 1));
-    for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* x = xv + r * V;
-      int64_t j = 0;
-      for (; j + 8 <= V; j += 8) _mm256_storeu_ps(wide.data() + j, load_bf16x8(x + j));
-      for (; j < V; ++j) wide[static_cast<size_t>(j)] = bf16_to_f32(x[j]);
-      const RowStats st = row_pass(wide.data(), V, 1.f, e.data(), sums.data(), nullptr);
-      done(r, wide.data(), st, e.data(), sums.data());
     }
   });
 }
@@ -243,7 +240,7 @@ at::Tensor token_logprobs(const at::Tensor& logits_in, const at::Tensor& temps_i
 }
 
 // Scoring given tokens (prompt logprobs): per row of logits [C, V] (fp32, or bf16 widened in
-// cache by each_bf16_row: the same values), the two parts of its log-softmax as sample_rows
+// cache by each_row: the same values), the two parts of its log-softmax as sample_rows
 // computes them at T = 1, the maximum m and log(sum(exp(x - m))) (a
 // logprob is (x - m) - that: a scored token gets the logprob it was sampled with), and the
 // rank of the row's target (1 + how many logits are larger), counted in a third pass over the
@@ -285,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> log_softmax_rank(
     ro[r] = above + 1;
   };
   if (bf16)
-    each_bf16_row(bf16_data(logits), C, V, scored);
+    each_row(bf16_data(logits), C, V, nullptr, scored);
   else
     each_row(logits.data_ptr<float>(), C, V, nullptr, scored);
   return {maxima, logsums, rank};
