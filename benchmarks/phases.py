@@ -6,8 +6,8 @@ could reach on this host.
         sampling and postprocessing (stop rules, detokenization); the model's layers split
         again (projections, attention, norms, the rest) in a second pass with the
         whole-layer kernel off, which is how those parts can be told apart. Floors: the
-        weights and the cached keys and values read once at this host's measured memory
-        bandwidth, and the products' multiply-adds at its measured GEMM rate.
+        weights and the cached keys and values read once at the rate this host reads memory
+        (a sum over 1 GiB), and the products' multiply-adds at its measured GEMM rate.
 
     python -m benchmarks.phases run
     python -m benchmarks.phases run --batches 1,16 --steps 10
@@ -51,14 +51,18 @@ class Clock:
 
 
 def host_rates(threads: int) -> dict[str, float]:
-    """This host's memory bandwidth (a 1 GiB copy, bytes read + written per second) and GEMM
-    rates (fp32 and bf16: [M, 4096] x [4096, 4096], M = 512, or 16 where a first small
-    product shows torch has no fast bf16 GEMM here), best of five."""
+    """This host's rates, best of five: a 1 GiB copy (bytes read + written per second); a 1 GiB
+    sum (bytes read per second: what a decode step does with its weights and cached keys,
+    where a copy counts two directions at once); GEMMs in fp32 and bf16 ([M, 4096] x
+    [4096, 4096], M = 512, or 16 where a first small product shows torch has no fast bf16
+    GEMM here)."""
     torch.set_num_threads(threads)
     src = torch.ones(1 << 28)  # 1 GiB fp32
     dst = torch.empty_like(src)
     best = min(_seconds(dst.copy_, src) for _ in range(5))
-    rates = {"bandwidth_gbs": 2 * src.numel() * 4 / best / 1e9}
+    read = min(_seconds(torch.sum, src) for _ in range(5))
+    rates = {"bandwidth_gbs": 2 * src.numel() * 4 / best / 1e9,
+             "read_gbs": src.numel() * 4 / read / 1e9}
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(4096, 4096).to(dtype)
         small = torch.randn(16, 4096).to(dtype)
@@ -192,7 +196,8 @@ def _table(ms: dict[str, float], split: dict[str, float] | None) -> dict[str, fl
 
 def run(a: argparse.Namespace) -> Path:
     rates = host_rates(a.threads)
-    print(f"host: {rates['bandwidth_gbs']:.1f} GB/s copy, fp32 GEMM "
+    print(f"host: {rates['read_gbs']:.1f} GB/s read, {rates['bandwidth_gbs']:.1f} GB/s copy "
+          f"(read + written), fp32 GEMM "
           f"{rates['gemm_float32_gflops']:.0f} GFLOP/s, bf16 GEMM "
           f"{rates['gemm_bfloat16_gflops']:.0f} GFLOP/s")
     gemm = max(rates["gemm_float32_gflops"], rates["gemm_bfloat16_gflops"]) * 1e9
@@ -213,8 +218,8 @@ def run(a: argparse.Namespace) -> Path:
         _drain(unfused)
         context = a.context + a.steps // 2
         floor = {
-            "weights_ms": 1000 * weight_bytes / (rates["bandwidth_gbs"] * 1e9),
-            "kv_ms": 1000 * b * context * kv_per_token / (rates["bandwidth_gbs"] * 1e9),
+            "weights_ms": 1000 * weight_bytes / (rates["read_gbs"] * 1e9),
+            "kv_ms": 1000 * b * context * kv_per_token / (rates["read_gbs"] * 1e9),
             "multiply_adds_ms": 1000 * 2 * linear_params * b / gemm,
         }
         floor["step_ms"] = max(floor["weights_ms"] + floor["kv_ms"], floor["multiply_adds_ms"])
