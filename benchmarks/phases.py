@@ -60,9 +60,7 @@ def host_rates(threads: int) -> dict[str, float]:
     src = torch.ones(1 << 28)  # 1 GiB fp32
     dst = torch.empty_like(src)
     best = min(_seconds(dst.copy_, src) for _ in range(5))
-    read = min(_seconds(torch.sum, src) for _ in range(5))
-    rates = {"bandwidth_gbs": 2 * src.numel() * 4 / best / 1e9,
-             "read_gbs": src.numel() * 4 / read / 1e9}
+    rates = {"bandwidth_gbs": 2 * src.numel() * 4 / best / 1e9, "read_gbs": read_rate(src)}
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(4096, 4096).to(dtype)
         small = torch.randn(16, 4096).to(dtype)
@@ -74,6 +72,19 @@ def host_rates(threads: int) -> dict[str, float]:
         t = min(_seconds(torch.matmul, x, w) for _ in range(5))
         rates[f"gemm_{str(dtype).split('.')[-1]}_gflops"] = 2 * m * 4096 * 4096 / t / 1e9
     return rates
+
+
+# Untimed decode steps before each timed pass: the first steps after a prefill ran slower (the
+# first batch-1 pass of a process read 9.8 / 12.3 ms a step over 60 steps where a second,
+# right after, read 7.6 / 10.0 on an AVX512-BF16 EPYC).
+WARMUP_STEPS = 3
+
+
+def read_rate(src: torch.Tensor | None = None, times: int = 5) -> float:
+    """GB/s read by the best of ``times`` sums over ``src`` (1 GiB fp32 if None)."""
+    src = torch.ones(1 << 28) if src is None else src
+    return src.numel() * src.element_size() / min(_seconds(torch.sum, src)
+                                                  for _ in range(times)) / 1e9
 
 
 def _seconds(fn: Callable[..., Any], *args: Any) -> float:
@@ -88,7 +99,8 @@ def _llm(a: argparse.Namespace, layer_kernel: bool) -> Any:
     from tlt_serve.models.llama import set_cpu_kernels
 
     llm = LLM(config=EngineConfig(
-        model=ModelConfig(dtype="bfloat16", max_model_len=a.context + a.steps + 64),
+        model=ModelConfig(dtype="bfloat16",
+                          max_model_len=a.context + a.steps + WARMUP_STEPS + 64),
         cache=CacheConfig(max_num_seqs=max(a.batches)), num_threads=a.threads))
     model = llm.engine.model
     if not layer_kernel and model.kernels is not None:
@@ -102,7 +114,8 @@ def _fill(llm: Any, batch: int, a: argparse.Namespace, seed: int) -> float:
 
     engine = llm.engine
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_new_tokens=a.steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=a.steps + WARMUP_STEPS + 8, temperature=0.0,
+                            ignore_eos=True)
     for i in range(batch):
         prompt = torch.randint(0, engine.vocab_size, (a.context,), generator=gen).tolist()
         engine.add_request(f"p{seed}-{i}", prompt, params)
@@ -124,6 +137,8 @@ def _phases(llm: Any, a: argparse.Namespace, split_layers: bool) -> dict[str, fl
     from tlt_serve.models.llama import MLP, Attention, Linear, RMSNorm
 
     engine, clock = llm.engine, Clock()
+    for _ in range(WARMUP_STEPS):
+        engine.step()
     model = engine.model
     patches = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "run", "run"),
                (runner_mod, "extend_batch", "batch building"),
@@ -211,18 +226,23 @@ def run(a: argparse.Namespace) -> Path:
     rows: list[dict[str, Any]] = []
     for i, b in enumerate(tqdm(a.batches, desc="phases")):
         prefill_s = _fill(fused, b, a, seed=i)
+        # this host's read rate moved from 50 to 32 GB/s within minutes: each row's floor
+        # takes the faster of the rates read right before and right after its steps
+        before = read_rate()
         ms = _phases(fused, a, split_layers=False)
+        read = max(before, read_rate())
         _drain(fused)
         _fill(unfused, b, a, seed=i)
         split = _phases(unfused, a, split_layers=True)
         _drain(unfused)
-        context = a.context + a.steps // 2
+        context = a.context + WARMUP_STEPS + a.steps // 2
         floor = {
-            "weights_ms": 1000 * weight_bytes / (rates["read_gbs"] * 1e9),
-            "kv_ms": 1000 * b * context * kv_per_token / (rates["read_gbs"] * 1e9),
+            "weights_ms": 1000 * weight_bytes / (read * 1e9),
+            "kv_ms": 1000 * b * context * kv_per_token / (read * 1e9),
             "multiply_adds_ms": 1000 * 2 * linear_params * b / gemm,
         }
         floor["step_ms"] = max(floor["weights_ms"] + floor["kv_ms"], floor["multiply_adds_ms"])
+        floor["read_gbs"] = read
         row = {"batch": b, "step_ms": round(ms["step"], 4),
                "step_ms_layer_kernel_off": round(split["step"], 4),
                "prefill_s": round(prefill_s, 4), "prefill_tokens": b * a.context,
@@ -238,7 +258,8 @@ def run(a: argparse.Namespace) -> Path:
 def _print(row: dict[str, Any]) -> None:
     f = row["floor"]
     print(f"\nbatch {row['batch']}: step {row['step_ms']:.2f} ms (whole-layer kernel off: "
-          f"{row['step_ms_layer_kernel_off']:.2f}; floor {f['step_ms']:.2f}: "
+          f"{row['step_ms_layer_kernel_off']:.2f}; floor {f['step_ms']:.2f} at "
+          f"{f['read_gbs']:.1f} GB/s read: "
           f"weights {f['weights_ms']:.2f} + KV {f['kv_ms']:.2f}, multiply-adds "
           f"{f['multiply_adds_ms']:.2f}); prefill of {row['prefill_tokens']} tokens "
           f"{row['prefill_s']:.2f} s")
