@@ -80,11 +80,10 @@ def host_rates(threads: int) -> dict[str, float]:
 WARMUP_STEPS = 3
 
 
-def read_rate(src: torch.Tensor | None = None, times: int = 5) -> float:
-    """GB/s read by the best of ``times`` sums over ``src`` (1 GiB fp32 if None)."""
-    src = torch.ones(1 << 28) if src is None else src
-    return src.numel() * src.element_size() / min(_seconds(torch.sum, src)
-                                                  for _ in range(times)) / 1e9
+def read_rate(src: torch.Tensor, times: int = 5) -> float:
+    """GB/s read by the best of ``times`` sums over ``src``."""
+    best = min(_seconds(torch.sum, src) for _ in range(times))
+    return src.numel() * src.element_size() / best / 1e9
 
 
 def _seconds(fn: Callable[..., Any], *args: Any) -> float:
@@ -211,6 +210,7 @@ def _table(ms: dict[str, float], split: dict[str, float] | None) -> dict[str, fl
 
 def run(a: argparse.Namespace) -> Path:
     rates = host_rates(a.threads)
+    probe = torch.ones(1 << 28)  # 1 GiB fp32, summed around each row's steps
     print(f"host: {rates['read_gbs']:.1f} GB/s read, {rates['bandwidth_gbs']:.1f} GB/s copy "
           f"(read + written), fp32 GEMM "
           f"{rates['gemm_float32_gflops']:.0f} GFLOP/s, bf16 GEMM "
@@ -228,9 +228,9 @@ def run(a: argparse.Namespace) -> Path:
         prefill_s = _fill(fused, b, a, seed=i)
         # this host's read rate moved from 50 to 32 GB/s within minutes: each row's floor
         # takes the faster of the rates read right before and right after its steps
-        before = read_rate()
+        before = read_rate(probe)
         ms = _phases(fused, a, split_layers=False)
-        read = max(before, read_rate())
+        read = max(before, read_rate(probe))
         _drain(fused)
         _fill(unfused, b, a, seed=i)
         split = _phases(unfused, a, split_layers=True)

@@ -985,15 +985,15 @@ static void attend_head_any(HeadKernel how, const uint16_t* Qh, const float (*qf
 // rows row_lo.. of the batch; query (b, j) sees key columns [0, lens[b, j]) (0: a padding
 // query, output zeros). With tree bits (a tree node: tree verification, tree drafting) query t
 // with bits[t] != 0 sees lens[t] keys: columns [0, n0) and n0 + i for each set bit i, n0 =
-// lens[t] - popcount(bits[t]) (its ancestors and itself). fp32 scores, softmax and weighted sum; output [B, Q, kvH, G, D]
-// rounded to bf16 once. Each (query, KV head) is computed alone, the same way whatever the
-// batch: a token scored in a verify step or a prefill gets exactly the output it gets in a
-// decode step (except runs of block_queries tokens or more, which go by blocks on AMX tiles or
-// AVX512-BF16: prefill_attention.cpp). Per layer at 300 cached tokens here: 24 vs 50-75 us for torch's SDPA at batch 1,
-// 238 vs 657 us at batch 16. The threads take contiguous ranges of the work, and in a prefill
-// token j of a row sees j + 1 keys: each row's tokens taken in the order 0, n - 1, 1, n - 2, ..
-// give every range as many short queries as long ones (one 2048-token prefill on 2 threads:
-// the later half was 3/4 of it), and a row's keys stay in cache between its tokens.
+// lens[t] - popcount(bits[t]) (its ancestors and itself). fp32 scores, softmax and weighted sum;
+// output [B, Q, kvH, G, D] rounded to bf16 once. Each (query, KV head) is computed alone, the same
+// way whatever the batch: a token scored in a verify step or a prefill gets exactly the output it
+// gets in a decode step (except runs of block_queries tokens or more, which go by blocks on AMX
+// tiles or AVX512-BF16: prefill_attention.cpp). Per layer at 300 cached tokens here: 24 vs 50-75 us
+// for torch's SDPA at batch 1, 238 vs 657 us at batch 16. The threads take contiguous ranges of the
+// work, and in a prefill token j of a row sees j + 1 keys: each row's tokens taken in the order 0,
+// n - 1, 1, n - 2, .. give every range as many short queries as long ones (one 2048-token prefill
+// on 2 threads: the later half was 3/4 of it), and a row's keys stay in cache between its tokens.
 void attend_tokens(const uint16_t* qv, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
                    const int64_t* rows, const int64_t* lens, const int64_t* bits, int64_t T,
                    int64_t kvH, int64_t G, int64_t D, int64_t L, double scale, uint16_t* ov,
